@@ -1,0 +1,436 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from thinkspec.sampling.rejection import rejection_sample, rejection_sample_reference
+
+NAN = float("nan")
+NEG_INF = float("-inf")
+
+
+def _params(b: int, *, temperature=0.0, ratio=1.0, top_k=1, delta=NAN):
+    return dict(
+        temperature=torch.full((b,), float(temperature)),
+        relax_ratio=torch.full((b,), float(ratio)),
+        relax_top_k=torch.full((b,), int(top_k), dtype=torch.long),
+        relax_delta=torch.full((b,), float(delta)),
+    )
+
+
+def _call(logits, drafts, n, mask, **kw):
+    return rejection_sample(
+        target_logits=logits, draft_token_ids=drafts, num_draft_tokens=n, relax_mask=mask, **kw
+    )
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def _brute_greedy(logits, drafts, n, mask, ratio, top_k, delta):
+    """Per-element acceptance in Python floats: returns (outputs, num_accepted, relaxed flags)."""
+    b_, k1, _ = logits.shape
+    outs, accs, flags = [], [], []
+    for b in range(b_):
+        out, flag = [], [False] * (k1 - 1)
+        for i in range(int(n[b])):
+            row = logits[b, i].tolist()
+            m = max(row)
+            g = row.index(m)
+            d = int(drafts[b, i])
+            ld = row[d]
+            rank = sum(1 for x in row if x > ld)
+            lse = m + math.log(sum(math.exp(x - m) for x in row))
+            pd, pmax = math.exp(ld - lse), math.exp(m - lse)
+            passed = (
+                bool(mask[b, i])
+                and ld > NEG_INF
+                and rank < int(top_k[b])
+                and math.exp(ld - m) >= float(ratio[b])
+                and (math.isnan(float(delta[b])) or pmax - pd <= float(delta[b]))
+            )
+            if d == g or passed:
+                out.append(d)
+                flag[i] = d != g
+            else:
+                out.append(g)
+                break
+        else:
+            row = logits[b, int(n[b])].tolist()
+            out.append(row.index(max(row)))
+        accs.append(len(out) - 1)
+        outs.append(out + [-1] * (k1 - len(out)))
+        flags.append(flag)
+    return torch.tensor(outs), torch.tensor(accs), torch.tensor(flags, dtype=torch.bool).reshape(b_, k1 - 1)
+
+
+def _random_greedy_batch(gen, b, k, v):
+    # Small integers give many ties; -inf entries mimic filtered tokens (never a whole row).
+    logits = torch.randint(-3, 4, (b, k + 1, v), generator=gen).float()
+    drop = torch.rand(b, k + 1, v, generator=gen) < 0.2
+    drop[..., 0] = False  # keep one finite entry per row
+    logits[drop] = NEG_INF
+    # Drafts: often the argmax (so runs get long), else any token, including -inf ones.
+    drafts = torch.where(
+        torch.rand(b, k, generator=gen) < 0.5,
+        logits[:, :k].argmax(-1),
+        torch.randint(0, v, (b, k), generator=gen),
+    )
+    n = torch.randint(0, k + 1, (b,), generator=gen)
+    mask = torch.rand(b, k, generator=gen) < 0.7
+    ratio = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.9, 1.0])[torch.randint(0, 6, (b,), generator=gen)]
+    top_k = torch.randint(1, 5, (b,), generator=gen)
+    delta = torch.tensor([NAN, 0.0, 0.05, 0.2, 0.5, 1.0])[torch.randint(0, 6, (b,), generator=gen)]
+    return logits, drafts, n, mask, ratio, top_k, delta
+
+
+@pytest.mark.parametrize("v", [1, 2, 3, 7, 50])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_relaxed_greedy_matches_brute_force(k, v):
+    gen = torch.Generator().manual_seed(1000 * k + v)
+    logits, drafts, n, mask, ratio, top_k, delta = _random_greedy_batch(gen, 64, k, v)
+    res = _call(
+        logits, drafts, n, mask, temperature=torch.zeros(64), relax_ratio=ratio, relax_top_k=top_k,
+        relax_delta=delta,
+    )  # fmt: skip
+    want_out, want_acc, want_flags = _brute_greedy(logits, drafts, n, mask, ratio, top_k, delta)
+    assert torch.equal(res.output_token_ids, want_out)
+    assert torch.equal(res.num_accepted, want_acc)
+    assert torch.equal(res.relaxed_accepted, want_flags)
+    assert res.output_token_ids.dtype == torch.int64 and res.num_accepted.dtype == torch.int64
+
+
+def _toy_lm(v: int, ties: bool, seed: int) -> torch.Tensor:
+    """Next-token logits table [V, V] float: row t = logits after token t."""
+    gen = torch.Generator().manual_seed(seed)
+    if ties:
+        return torch.randint(0, 3, (v, v), generator=gen).float()
+    return torch.randn(v, v, generator=gen)
+
+
+@pytest.mark.parametrize("mode", ["mask_off", "ratio1_topk1"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_equals_sequential_argmax(mode, k):
+    v, b, steps = 11, 8, 40
+    table = _toy_lm(v, ties=mode == "mask_off", seed=k)
+    gen = torch.Generator().manual_seed(7 + k)
+    want = [[int(t)] for t in torch.randint(0, v, (b,), generator=gen)]
+    for seq in want:
+        while len(seq) < steps + 1:
+            seq.append(int(table[seq[-1]].argmax()))
+    got = [[w[0]] for w in want]
+    mask_on = mode == "ratio1_topk1"
+    while any(len(s) < steps + 1 for s in got):
+        # Draft: the true continuation with random corruptions.
+        drafts = torch.zeros(b, k, dtype=torch.long)
+        for r, s in enumerate(got):
+            prev = s[-1]
+            for i in range(k):
+                tok = (
+                    int(table[prev].argmax())
+                    if torch.rand(1, generator=gen) < 0.7
+                    else int(torch.randint(0, v, (1,), generator=gen))
+                )
+                drafts[r, i] = tok
+                prev = tok
+        n = torch.randint(0, k + 1, (b,), generator=gen)
+        ctx = torch.cat([torch.tensor([s[-1] for s in got])[:, None], drafts], 1)  # [B, K+1]
+        logits = table[ctx]  # [B, K+1, V]
+        mask = torch.full((b, k), mask_on)
+        res = _call(logits, drafts, n, mask, **_params(b, ratio=1.0, top_k=1, delta=0.0 if mask_on else NAN))
+        for r, s in enumerate(got):
+            s.extend(res.output_token_ids[r, : int(res.num_accepted[r]) + 1].tolist())
+        assert not res.relaxed_accepted.any()
+    assert [s[: steps + 1] for s in got] == want
+
+
+def test_padding_positions_and_rows_are_ignored():
+    gen = torch.Generator().manual_seed(3)
+    b, k, v = 6, 4, 9
+    logits = torch.randn(b, k + 1, v, generator=gen)
+    drafts = logits[:, :k].argmax(-1)
+    n = torch.tensor([0, 1, 2, 3, 4, 2])
+    base = _call(logits, drafts, n, torch.ones(b, k, dtype=torch.bool), **_params(b, ratio=0.5, top_k=3))
+    # Garbage after num_draft_tokens (ids -1, NaN logits) must change nothing.
+    logits2, drafts2 = logits.clone(), drafts.clone()
+    for r in range(b):
+        drafts2[r, int(n[r]) :] = -1
+        logits2[r, int(n[r]) + 1 :] = NAN
+    res = _call(logits2, drafts2, n, torch.ones(b, k, dtype=torch.bool), **_params(b, ratio=0.5, top_k=3))
+    assert torch.equal(res.output_token_ids, base.output_token_ids)
+    assert torch.equal(res.num_accepted, n)  # drafts are the argmax: all accepted
+    # Bonus comes from row num_draft_tokens[b], not row K.
+    assert torch.equal(res.output_token_ids[torch.arange(b), n], logits[torch.arange(b), n].argmax(-1))
+    assert (res.output_token_ids[torch.arange(k + 1)[None] > n[:, None]] == -1).all()
+
+
+def test_zero_drafts_and_k0():
+    logits = torch.tensor([[[0.0, 2.0, 2.0, 1.0]]])  # [1, 1, 4], K = 0
+    res = _call(logits, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                torch.zeros(1, 0, dtype=torch.bool), **_params(1))  # fmt: skip
+    assert res.output_token_ids.tolist() == [[1]] and res.num_accepted.tolist() == [0]
+    assert res.relaxed_accepted.shape == (1, 0)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _valid_inputs(b=2, k=2, v=5):
+    return dict(
+        target_logits=torch.randn(b, k + 1, v),
+        draft_token_ids=torch.zeros(b, k, dtype=torch.long),
+        num_draft_tokens=torch.full((b,), k, dtype=torch.long),
+        relax_mask=torch.ones(b, k, dtype=torch.bool),
+        **_params(b, ratio=0.5, top_k=2),
+    )
+
+
+def test_nan_logits_raise():
+    kw = _valid_inputs()
+    kw["target_logits"][1, 2, 3] = NAN
+    with pytest.raises(ValueError, match="NaN"):
+        rejection_sample(**kw)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("draft_token_ids", torch.zeros(2, 3, dtype=torch.long), "draft_token_ids must have shape"),
+        ("draft_token_ids", torch.zeros(2, 2), "draft_token_ids must have dtype"),
+        ("relax_mask", torch.ones(2, 2, dtype=torch.long), "relax_mask must have dtype"),
+        ("temperature", torch.zeros(3), "temperature must have shape"),
+        ("draft_probs", torch.ones(2, 2, 4), "draft_probs must have shape"),
+        ("num_draft_tokens", torch.tensor([0, 3]), r"num_draft_tokens must be in \[0, 2\]"),
+        ("relax_ratio", torch.tensor([0.5, 1.5]), r"relax_ratio must be in \[0, 1\]"),
+        ("relax_top_k", torch.tensor([0, 1]), "relax_top_k must be >= 1"),
+        ("relax_delta", torch.tensor([NAN, -0.1]), "relax_delta must be in"),
+        ("temperature", torch.tensor([-1.0, 0.0]), "temperature must be finite and >= 0"),
+        ("draft_token_ids", torch.tensor([[0, 5], [0, 0]]), "draft_token_ids must be in"),
+    ],
+)
+def test_bad_inputs_raise(field, value, match):
+    kw = _valid_inputs()
+    kw[field] = value
+    with pytest.raises(ValueError, match=match):
+        rejection_sample(**kw)
+
+
+def test_all_neg_inf_and_pos_inf_rows_raise():
+    kw = _valid_inputs()
+    kw["target_logits"][0, 1] = NEG_INF
+    with pytest.raises(ValueError, match="all -inf"):
+        rejection_sample(**kw)
+    kw = _valid_inputs()
+    kw["target_logits"][0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"\+inf"):
+        rejection_sample(**kw)
+
+
+# ---------------------------------------------------------------- sampling: distributions
+
+N = 200_000
+# Chi-square p-value floor; the seeds are fixed, so a pass is reproducible, and the power
+# checks below show the same sample sizes do reject a wrong distribution.
+P_FLOOR = 1e-4
+
+
+def _dist_setup(v=6, temp=0.8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(v, generator=gen)
+    logits[v - 1] = NEG_INF  # a filtered token
+    p = torch.softmax(logits.double() / temp, -1)
+    # q favours token 1 (third by p at seed 2), so relaxation visibly moves mass onto it.
+    q = torch.rand(v, generator=gen).double() * 0.1 + 0.05
+    q[1] += 0.5
+    q /= q.sum()
+    return logits, p, q
+
+
+def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "sampled a token of probability 0"
+    keep = probs > 0
+    return float(chisquare(counts[keep].numpy(), (probs[keep] * samples.numel()).numpy()).pvalue)
+
+
+def _relaxed_set(logits, temp, ratio, top_k, delta):
+    x = logits.double() / temp
+    p = torch.softmax(x, -1)
+    rank = (x[None, :] > x[:, None]).sum(-1)
+    ok = (x > NEG_INF) & (rank < top_k) & (torch.exp(x - x.max()) >= ratio)
+    if not math.isnan(delta):
+        ok &= p.max() - p <= delta
+    return ok
+
+
+def _pi(p, q, relaxed):
+    """Distribution of the token emitted at one sampled position with draft d ~ q."""
+    acc = torch.where(relaxed | (q == 0), torch.ones_like(p), torch.clamp(p / q, max=1.0))
+    residual = (p - q).clamp_min(0)
+    residual /= residual.sum()
+    p_reject = (q * (1 - acc)).sum()
+    return q * acc + p_reject * residual
+
+
+def _sample_position(logits, temp, drafts, q=None, relax=False, ratio=1.0, top_k=1, delta=NAN, seed=0, k=1):
+    b, v = drafts.numel(), logits.numel()
+    tl = logits.expand(b, k + 1, v).contiguous()
+    d = drafts[:, None].expand(b, k).contiguous()
+    res = rejection_sample(
+        tl, d, torch.ones(b, dtype=torch.long), torch.full((b, k), relax),
+        **_params(b, temperature=temp, ratio=ratio, top_k=top_k, delta=delta),
+        draft_probs=None if q is None else q.float().expand(b, k, v).contiguous(),
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    return res
+
+
+def test_lossless_sampling_with_draft_probs_yields_p():
+    logits, p, q = _dist_setup()
+    gen = torch.Generator().manual_seed(11)
+    drafts = torch.multinomial(q.float(), N, replacement=True, generator=gen)
+    res = _sample_position(logits, 0.8, drafts, q=q, seed=12)
+    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert not res.relaxed_accepted.any()
+    # Power: the same samples reject the draft distribution q.
+    assert _chi2_pvalue(res.output_token_ids[:, 0], q) < 1e-12
+    # Accepted drafts keep their own token; the acceptance rate matches sum min(p, q).
+    acc = res.num_accepted == 1
+    assert torch.equal(res.output_token_ids[acc, 0], drafts[acc])
+    assert abs(acc.double().mean().item() - torch.minimum(p, q).sum().item()) < 5 / math.sqrt(N)
+
+
+def test_lossless_sampling_one_hot_draft_yields_p():
+    logits, p, _ = _dist_setup(seed=1)
+    drafts = torch.full((N,), int(p.argmin()), dtype=torch.long)  # a low-probability draft
+    res = _sample_position(logits, 0.8, drafts, seed=13)
+    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+
+
+@pytest.mark.parametrize("ratio, top_k, delta", [(0.15, 3, NAN), (0.1, 6, 0.45), (0.0, 3, 0.45)])
+def test_relaxed_sampling_yields_pi(ratio, top_k, delta):
+    temp = 0.8
+    logits, p, q = _dist_setup(seed=2)
+    relaxed = _relaxed_set(logits, temp, ratio, top_k, delta)
+    assert relaxed[1] and not relaxed.all()
+    pi = _pi(p, q, relaxed)
+    gen = torch.Generator().manual_seed(21)
+    drafts = torch.multinomial(q.float(), N, replacement=True, generator=gen)
+    res = _sample_position(
+        logits, temp, drafts, q=q, relax=True, ratio=ratio, top_k=top_k, delta=delta, seed=22
+    )
+    out = res.output_token_ids[:, 0]
+    assert _chi2_pvalue(out, pi) > P_FLOOR
+    assert _chi2_pvalue(out, p) < 1e-12  # power: relaxation moves the distribution away from p
+    # relaxed_accepted marks accepted drafts in R whose p(d) < q(d).
+    want_flag = (res.num_accepted == 1) & relaxed[drafts] & (p[drafts] < q[drafts])
+    assert torch.equal(res.relaxed_accepted[:, 0], want_flag)
+
+
+def test_relaxed_sampling_one_hot_draft_yields_pi():
+    temp, ratio, top_k = 0.8, 0.2, 4
+    logits, p, _ = _dist_setup(seed=3)
+    relaxed = _relaxed_set(logits, temp, ratio, top_k, NAN)
+    d = int(torch.where(relaxed & (p < p.max()))[0][0])  # a relaxable, non-top draft
+    q = torch.zeros_like(p)
+    q[d] = 1
+    pi = _pi(p, q, relaxed)
+    assert pi[d] == 1.0
+    res = _sample_position(
+        logits, temp, torch.full((N // 10,), d), relax=True, ratio=ratio, top_k=top_k, seed=31
+    )
+    assert (res.output_token_ids[:, 0] == d).all() and res.relaxed_accepted.all()
+    # Not relaxable draft: pi = p (lossless).
+    d2 = int(torch.where(~relaxed & (p > 0))[0][0])
+    res = _sample_position(logits, temp, torch.full((N,), d2), relax=True, ratio=ratio, top_k=top_k, seed=32)
+    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+
+
+def test_bonus_row_sampled_from_row_num_draft_tokens():
+    temp, v, b = 1.3, 5, N
+    gen = torch.Generator().manual_seed(41)
+    row0 = torch.randn(v, generator=gen)
+    row1 = torch.randn(v, generator=gen)
+    logits = torch.stack([row0, row1, torch.tensor([9.0, NEG_INF, NEG_INF, NEG_INF, NEG_INF])])  # [3, V]
+    tl = logits.expand(b, 3, v).contiguous()
+    drafts = torch.zeros(b, 2, dtype=torch.long)
+    # ratio 0 and top_k V: the relaxed test always passes, so the single draft is accepted.
+    res = rejection_sample(
+        tl, drafts, torch.ones(b, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
+        **_params(b, temperature=temp, ratio=0.0, top_k=v), generator=torch.Generator().manual_seed(42),
+    )  # fmt: skip
+    assert (res.num_accepted == 1).all() and (res.output_token_ids[:, 0] == 0).all()
+    assert (res.output_token_ids[:, 2] == -1).all()
+    assert _chi2_pvalue(res.output_token_ids[:, 1], torch.softmax(row1.double() / temp, -1)) > P_FLOOR
+    # num_draft_tokens = 0: the token comes straight from row 0.
+    res = rejection_sample(
+        tl, drafts, torch.zeros(b, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
+        **_params(b, temperature=temp), generator=torch.Generator().manual_seed(43),
+    )  # fmt: skip
+    assert _chi2_pvalue(res.output_token_ids[:, 0], torch.softmax(row0.double() / temp, -1)) > P_FLOOR
+
+
+# ---------------------------------------------------------------- sampling: seeds, mixing
+
+
+def _mixed_batch(b=6, k=3, v=12, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, k + 1, v, generator=gen)
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    n = torch.randint(0, k + 1, (b,), generator=gen)
+    mask = torch.rand(b, k, generator=gen) < 0.5
+    temp = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.5, 0.9])[:b]
+    probs = torch.softmax(torch.randn(b, k, v, generator=gen), -1)
+    return dict(
+        target_logits=logits, draft_token_ids=drafts, num_draft_tokens=n, relax_mask=mask, temperature=temp,
+        relax_ratio=torch.full((b,), 0.3), relax_top_k=torch.full((b,), 3), relax_delta=torch.full((b,), NAN),
+        draft_probs=probs,
+    )  # fmt: skip
+
+
+def test_seeds_are_deterministic_and_batch_independent():
+    kw = _mixed_batch()
+    seeds = torch.arange(100, 106)
+    a = rejection_sample(**kw, seeds=seeds, seed_offset=3)
+    b = rejection_sample(**kw, seeds=seeds, seed_offset=3)
+    assert torch.equal(a.output_token_ids, b.output_token_ids)
+    # Reversed batch order: every request gets the same result.
+    perm = torch.arange(5, -1, -1)
+    kw2 = {name: t[perm] for name, t in kw.items()}
+    c = rejection_sample(**kw2, seeds=seeds[perm], seed_offset=3)
+    assert torch.equal(c.output_token_ids, a.output_token_ids[perm])
+    assert torch.equal(c.relaxed_accepted, a.relaxed_accepted[perm])
+    # Another offset gives another draw somewhere in a large batch.
+    big = {name: t.repeat(50, *([1] * (t.dim() - 1))) for name, t in kw.items()}
+    s = torch.arange(300)
+    x = rejection_sample(**big, seeds=s, seed_offset=0)
+    y = rejection_sample(**big, seeds=s, seed_offset=1)
+    assert not torch.equal(x.output_token_ids, y.output_token_ids)
+
+
+def test_mixed_batch_greedy_rows_match_greedy_only_call():
+    kw = _mixed_batch()
+    res = rejection_sample(**kw, generator=torch.Generator().manual_seed(0))
+    greedy = kw["temperature"] == 0
+    kw_g = {name: t[greedy] for name, t in kw.items()}
+    ref = rejection_sample(**kw_g)
+    assert torch.equal(res.output_token_ids[greedy], ref.output_token_ids)
+    # Sampled rows: valid structure (accepted drafts, then one token, then -1).
+    out, acc = res.output_token_ids, res.num_accepted
+    for r in range(out.shape[0]):
+        j = int(acc[r])
+        assert j <= int(kw["num_draft_tokens"][r])
+        assert out[r, :j].tolist() == kw["draft_token_ids"][r, :j].tolist()
+        assert 0 <= int(out[r, j]) < 12 and (out[r, j + 1 :] == -1).all()
+
+
+def test_reference_forced_and_validate_flag_accepted():
+    kw = _mixed_batch()
+    a = rejection_sample(**kw, seeds=torch.arange(6), use_triton=False, validate=True, all_greedy=False)
+    b = rejection_sample_reference(**kw, seeds=torch.arange(6))
+    assert torch.equal(a.output_token_ids, b.output_token_ids)
+    assert np.all(a.num_accepted.numpy() <= kw["num_draft_tokens"].numpy())

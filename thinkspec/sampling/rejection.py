@@ -1,0 +1,194 @@
+"""Acceptance of draft tokens: strict/relaxed greedy and lossless/relaxed sampling (torch reference).
+
+`rejection_sample` is the single call site: CUDA tensors go to the fused Triton kernels in
+`rejection_triton.py`, everything else (and any call with `use_triton=False`, or with the
+environment variable THINKSPEC_REJECTION_REFERENCE=1) to `rejection_sample_reference` below.
+
+Per request b and draft position i < num_draft_tokens[b], with x = logits (greedy, temperature 0)
+or logits / temperature (sampled; rows arrive already top-k/top-p filtered, -inf outside), p =
+softmax(x), g = argmax x (lowest index on ties), d = draft token, rank(d) = #{v : x[v] > x[d]}:
+  relaxed test   relax_mask[b, i] and x[d] > -inf and rank(d) < top_k and exp(x[d] - x[g]) >= ratio
+                 and (delta unset or p[g] - p[d] <= delta)
+  greedy         accept iff d == g or the relaxed test passes
+  sampled        accept iff the relaxed test passes or u * q(d) < p(d), u ~ U[0, 1)
+The first rejection stops the run; position num_accepted then emits a token: g (greedy) or a sample
+of normalize(max(0, p - q)) (sampled) on rejection, and the bonus token g / a sample of p from row
+num_draft_tokens[b] when every draft was accepted. q = draft_probs[b, i], or one_hot(d) when
+draft_probs is None.
+
+Randomness: with `seeds` [B] int64 each request draws from its own stream keyed by (seed,
+seed_offset), so its result does not depend on the rest of the batch; otherwise draws come from
+`generator` (or torch's default generator). The reference and the kernels use different streams.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, check_values
+
+__all__ = ["RejectionResult", "rejection_sample", "rejection_sample_reference"]
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    relax_mask: torch.Tensor,
+    temperature: torch.Tensor,
+    relax_ratio: torch.Tensor,
+    relax_top_k: torch.Tensor,
+    relax_delta: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    seeds: torch.Tensor | None = None,
+    seed_offset: int = 0,
+    all_greedy: bool | None = None,
+    validate: bool = False,
+    use_triton: bool | None = None,
+) -> RejectionResult:
+    """Routes CUDA tensors to the Triton kernels and everything else to the torch reference.
+
+    Shapes as in `rejection_common`. `all_greedy` (a promise that every temperature is 0) lets the
+    kernels skip their sampling launches; `validate` makes the kernels check values too (a sync);
+    the reference always checks them. `use_triton` forces the choice (None = by device).
+    """
+    if use_triton is None:
+        use_triton = target_logits.is_cuda and os.environ.get("THINKSPEC_REJECTION_REFERENCE", "0") != "1"
+    if use_triton:
+        from thinkspec.sampling.rejection_triton import rejection_sample_triton
+
+        fn = rejection_sample_triton
+    else:
+        fn = rejection_sample_reference
+    return fn(
+        target_logits, draft_token_ids, num_draft_tokens, relax_mask, temperature, relax_ratio, relax_top_k,
+        relax_delta, draft_probs, generator, seeds=seeds, seed_offset=seed_offset, all_greedy=all_greedy,
+        validate=validate,
+    )  # fmt: skip
+
+
+def _stream_seed(seed: int, seed_offset: int) -> int:
+    # splitmix64-style mix so nearby (seed, offset) pairs give unrelated streams
+    z = (seed * 0x9E3779B97F4A7C15 + seed_offset * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _draw_randoms(
+    b: int, k: int, v: int, device: torch.device, generator: torch.Generator | None,
+    seeds: torch.Tensor | None, seed_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Returns u [B, K] float32 uniforms in [0, 1) and e [B, V] float32 Exp(1) draws (> 0)."""
+    if seeds is None:
+        u = torch.rand(b, k, device=device, generator=generator)
+        e = torch.empty(b, v, device=device).exponential_(generator=generator)
+    else:
+        u = torch.empty(b, k, device=device)
+        e = torch.empty(b, v, device=device)
+        for i, s in enumerate(seeds.tolist()):
+            gen = torch.Generator(device=device).manual_seed(_stream_seed(s, seed_offset))
+            u[i] = torch.rand(k, device=device, generator=gen)
+            e[i] = torch.empty(v, device=device).exponential_(generator=gen)
+    return u, e.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def rejection_sample_reference(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    relax_mask: torch.Tensor,
+    temperature: torch.Tensor,
+    relax_ratio: torch.Tensor,
+    relax_top_k: torch.Tensor,
+    relax_delta: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    seeds: torch.Tensor | None = None,
+    seed_offset: int = 0,
+    all_greedy: bool | None = None,
+    validate: bool = True,
+) -> RejectionResult:
+    """Pure-torch acceptance, vectorised over the batch, computed in float32 on any device.
+
+    Always validates values (syncs), whatever `validate` says; `all_greedy` is accepted for
+    interchangeability with the kernels and ignored. Raises ValueError on NaN or +inf in a used
+    row (rows 0..num_draft_tokens[b]), on a used row that is all -inf, and on out-of-range inputs.
+    """
+    b, k, v = check_shapes(
+        target_logits, draft_token_ids, num_draft_tokens, relax_mask, temperature, relax_ratio,
+        relax_top_k, relax_delta, draft_probs, seeds,
+    )  # fmt: skip
+    check_values(
+        target_logits, draft_token_ids, num_draft_tokens, temperature, relax_ratio, relax_top_k,
+        relax_delta, draft_probs,
+    )  # fmt: skip
+    dev = target_logits.device
+    n = num_draft_tokens.long()  # [B]
+    greedy = temperature == 0  # [B] bool
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [B]
+    x = target_logits.float() / temp[:, None, None]  # [B, K+1, V]
+    x_max = x.amax(-1)  # [B, K+1]
+    g = x.argmax(-1)  # [B, K+1], first index of the max
+    lse = torch.logsumexp(x, -1)  # [B, K+1]
+
+    d = draft_token_ids.long().clamp(0, v - 1)  # [B, K], padding clamped so gathers stay in range
+    xd = x[:, :k].gather(-1, d[..., None]).squeeze(-1)  # [B, K]
+    rank = (x[:, :k] > xd[..., None]).sum(-1)  # [B, K]
+    pd = torch.exp(xd - lse[:, :k])  # [B, K]
+    pmax = torch.exp(x_max[:, :k] - lse[:, :k])  # [B, K]
+    delta = relax_delta.float()[:, None]  # [B, 1]
+    relaxed = (
+        relax_mask
+        & (xd > float("-inf"))
+        & (rank < relax_top_k[:, None])
+        & (torch.exp(xd - x_max[:, :k]) >= relax_ratio.float()[:, None])
+        & (delta.isnan() | (pmax - pd <= delta))
+    )  # [B, K]
+
+    strict = d == g[:, :k]  # [B, K]
+    u, e = _draw_randoms(b, k, v, dev, generator, seeds, seed_offset)  # [B, K], [B, V]
+    qd = (
+        torch.ones_like(pd)
+        if draft_probs is None
+        else draft_probs[:, :k].float().gather(-1, d[..., None])[..., 0]
+    )
+    lossless = u * qd < pd  # [B, K]
+    accept = torch.where(greedy[:, None], strict | relaxed, relaxed | lossless)  # [B, K]
+    pos = torch.arange(k, device=dev)
+    accept &= pos[None, :] < n[:, None]
+    num_accepted = accept.long().cumprod(-1).sum(-1)  # [B]
+    in_run = pos[None, :] < num_accepted[:, None]  # [B, K]
+    relaxed_only = torch.where(greedy[:, None], ~strict, pd < qd)  # [B, K]
+    relaxed_accepted = in_run & relaxed & relaxed_only
+
+    # Emitted token from row j = num_accepted: correction if j < n, bonus if j == n.
+    j = num_accepted  # [B]
+    emitted = g.gather(1, j[:, None])[:, 0]  # [B]
+    if not bool(greedy.all()):
+        xj = x.gather(1, j[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
+        pj = torch.softmax(xj, -1)  # [B, V]
+        rejected = (j < n)[:, None]  # [B, 1]
+        jc = j.clamp_max(max(k - 1, 0))  # [B], row K (bonus) has no draft; its q is unused
+        if k == 0:
+            qj = torch.zeros_like(pj)
+        elif draft_probs is None:
+            qj = torch.zeros_like(pj).scatter_(1, d.gather(1, jc[:, None]), 1.0)  # [B, V]
+        else:
+            qj = draft_probs.float().gather(1, jc[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
+        r = torch.where(rejected, (pj - qj).clamp_min(0), pj)  # [B, V]
+        # p == q up to rounding leaves no residual mass; p is then the exact answer.
+        r = torch.where(r.sum(-1, keepdim=True) > 0, r, pj)
+        # Exponential race: argmax r / E with E ~ Exp(1) samples normalize(r).
+        sampled = (r / e).argmax(-1)  # [B]
+        emitted = torch.where(greedy, emitted, sampled)
+
+    out = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
+    out[:, :k] = torch.where(in_run, draft_token_ids.long(), -1)
+    out.scatter_(1, j[:, None], emitted[:, None])
+    return RejectionResult(output_token_ids=out, num_accepted=num_accepted, relaxed_accepted=relaxed_accepted)
