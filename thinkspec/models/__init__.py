@@ -1,0 +1,5 @@
+"""Model code for Hugging Face checkpoints: Qwen3, Qwen2, Llama."""
+
+from thinkspec.models.loader import ARCHITECTURES, ModelInfo, load_model
+
+__all__ = ["ARCHITECTURES", "ModelInfo", "load_model"]

@@ -1,0 +1,78 @@
+"""Reference attention backend: gather each sequence's paged KV, then torch SDPA.
+
+Slow by design (a Python loop over sequences) and simple enough to trust: it is the ground
+truth for the fused kernels. Runs on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from thinkspec.layers.forward_context import AttentionMetadata
+
+
+def store_kvcache(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding row, not written
+) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
+class TorchAttentionBackend:
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]; rows outside every sequence (padding) are zero
+        has_cache = k_cache.numel() > 0
+        if has_cache:
+            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.zeros_like(q)
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for b, seq_len in enumerate(seq_lens):
+            start, end = starts[b], starts[b + 1]
+            qlen = end - start
+            if qlen == 0:
+                continue
+            if qlen > seq_len:
+                raise ValueError(f"sequence {b}: query_len={qlen} exceeds seq_len={seq_len}")
+            if has_cache:
+                block_size = k_cache.shape[1]
+                blocks = meta.block_tables[b, : (seq_len + block_size - 1) // block_size].long()
+                keys = k_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+                values = v_cache[blocks].flatten(0, 1)[:seq_len]
+            else:
+                # No pool yet (e.g. a profiling run): only whole prompts can attend, to themselves.
+                if qlen != seq_len:
+                    raise ValueError("attention without a KV cache needs query_len == seq_len")
+                keys, values = k[start:end], v[start:end]
+            out[start:end] = _causal_sdpa(q[start:end], keys, values, scale)
+        return out
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [Lq, Hq, D] at the last Lq positions of k/v: [L, Hkv, D] -> [Lq, Hq, D]
+    qlen, seq_len = q.shape[0], k.shape[0]
+    q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, L] bool, True = attend
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return o.transpose(0, 1)
