@@ -1,0 +1,292 @@
+"""Engine-level speculative decoding configuration (vLLM's `--speculative-config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from thinkspec.reasoning.parsers import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+
+if TYPE_CHECKING:
+    from thinkspec.reasoning.parsers import ResolvedReasoning
+
+SPEC_METHODS = ("draft_model", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_RELAX_TOP_K = 64
+# vLLM's n-gram defaults: both bounds unset -> 5/5; one set -> the other copies it.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int; a flag passed where a count is expected is a mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _check_int(owner: str, name: str, value: Any, low: int, high: int | None = None) -> int:
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        upper = f"{high}]" if high is not None else "inf)"
+        raise ValueError(f"{owner}.{name} must be an int in [{low}, {upper}, got {value!r}")
+    return value
+
+
+def _check_unit_float(owner: str, name: str, value: Any) -> float:
+    if not _is_real(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner}.{name} must be a float in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _check_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be a bool (true or false), got {value!r}")
+    return value
+
+
+def _check_optional_str(owner: str, name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{owner}.{name} must be a non-empty string or None, got {value!r}")
+    return value
+
+
+def validate_relax_fields(
+    *,
+    relaxed_thinking: bool | None = None,
+    relax_ratio: float | None = None,
+    relax_top_k: int | None = None,
+    relax_delta: float | None = None,
+    owner: str = "SamplingParams",
+) -> tuple[bool | None, float | None, int | None, float | None]:
+    """Validate the relaxed-acceptance knobs shared by SpeculativeConfig and per-request overrides.
+
+    None means "not set" (use the engine default) and passes through. Returns the values
+    normalised (ints given for floats become floats) in argument order; raises ValueError naming
+    `owner.field`, the allowed range and the value.
+    """
+    if relaxed_thinking is not None:
+        relaxed_thinking = _check_bool(owner, "relaxed_thinking", relaxed_thinking)
+    if relax_ratio is not None:
+        relax_ratio = _check_unit_float(owner, "relax_ratio", relax_ratio)
+    if relax_top_k is not None:
+        relax_top_k = _check_int(owner, "relax_top_k", relax_top_k, 1, MAX_RELAX_TOP_K)
+    if relax_delta is not None:
+        relax_delta = _check_unit_float(owner, "relax_delta", relax_delta)
+    return relaxed_thinking, relax_ratio, relax_top_k, relax_delta
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How the engine speculates, and how it relaxes acceptance inside `<think>`.
+
+    The defaults are strict: no speculation at all, and with speculation configured
+    (`method`/`model` + `num_speculative_tokens`) exact verification unless
+    `relaxed_thinking=True`.
+
+    - method: "draft_model", "ngram" or None. None with a `model` becomes "draft_model"
+      (as vLLM infers it); None without a model means no speculation.
+    - model: draft checkpoint (folder or hub id); required by "draft_model", refused by "ngram".
+    - num_speculative_tokens: drafts per verify step, in [1, 16]; required when speculating.
+    - prompt_lookup_min / prompt_lookup_max: n-gram match lengths (ngram only),
+      1 <= min <= max; both unset -> 5 and 5, one unset -> it takes the other's value.
+    - relaxed_thinking / relax_ratio / relax_top_k / relax_delta: the relaxed test
+      (see DESIGN.md "The acceptance contract"); engine defaults, overridable per request.
+    - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
+      its markers, or without a parser (both given) define a generic one.
+    """
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    relaxed_thinking: bool = False
+    relax_ratio: float = 1.0
+    relax_top_k: int = 1
+    relax_delta: float | None = None
+    reasoning_parser: str | None = None
+    think_start_token: str | None = None
+    think_end_token: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = "SpeculativeConfig"
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        self.model = _check_optional_str(owner, "model", self.model)
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"{owner}.method must be one of {SPEC_METHODS} or None, got {self.method!r}")
+        if self.method is None and self.model is not None:
+            self.method = "draft_model"
+
+        if self.method is None:
+            if self.num_speculative_tokens is not None:
+                raise ValueError(
+                    f"{owner}.num_speculative_tokens={self.num_speculative_tokens!r} needs a method "
+                    f"({' or '.join(SPEC_METHODS)}) or a draft model"
+                )
+        else:
+            if self.num_speculative_tokens is None:
+                raise ValueError(
+                    f"{owner}.num_speculative_tokens is required with method={self.method!r}; "
+                    f"an int in [1, {MAX_SPECULATIVE_TOKENS}]"
+                )
+            _check_int(
+                owner, "num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS
+            )
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError(f"{owner}.model is required with method='draft_model', got None")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"{owner}.model must be None with method='ngram', got {self.model!r}")
+        self._check_prompt_lookup(owner)
+
+        validate_relax_fields(
+            relaxed_thinking=self.relaxed_thinking,
+            relax_top_k=self.relax_top_k,
+            owner=owner,
+        )
+        _, self.relax_ratio, _, self.relax_delta = validate_relax_fields(
+            relax_ratio=self.relax_ratio, relax_delta=self.relax_delta, owner=owner
+        )
+        if self.relax_ratio is None:
+            raise ValueError(f"{owner}.relax_ratio must be a float in [0, 1], got None")
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"{owner}.reasoning_parser must be one of {tuple(REASONING_PARSERS)} or None, "
+                f"got {self.reasoning_parser!r}"
+            )
+        self.think_start_token = _check_optional_str(owner, "think_start_token", self.think_start_token)
+        self.think_end_token = _check_optional_str(owner, "think_end_token", self.think_end_token)
+        if self.reasoning_parser is None and (self.think_start_token is None) != (
+            self.think_end_token is None
+        ):
+            missing = "think_end_token" if self.think_end_token is None else "think_start_token"
+            raise ValueError(
+                f"{owner}.{missing} is required when the other marker is given without a reasoning_parser"
+            )
+        if self.relaxed_thinking:
+            if self.method is None:
+                raise ValueError(
+                    f"{owner}.relaxed_thinking=True needs speculative decoding: set method "
+                    f"({' or '.join(SPEC_METHODS)}) and num_speculative_tokens"
+                )
+            if self.reasoning_parser is None and self.think_start_token is None:
+                raise ValueError(
+                    f"{owner}.relaxed_thinking=True needs reasoning_parser (one of "
+                    f"{tuple(REASONING_PARSERS)}) or both think_start_token and think_end_token"
+                )
+        # Building the parser checks the markers themselves (distinct, no newline, no nesting).
+        try:
+            self.build_reasoning_parser()
+        except ValueError as exc:
+            raise ValueError(f"{owner}: {exc}") from None
+
+    def _check_prompt_lookup(self, owner: str) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if value is not None:
+                    raise ValueError(f"{owner}.{name} applies only to method='ngram', got {value!r}")
+            return
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        _check_int(owner, "prompt_lookup_min", lo, 1)
+        _check_int(owner, "prompt_lookup_max", hi, 1)
+        if lo > hi:
+            raise ValueError(
+                f"{owner}.prompt_lookup_min must be <= prompt_lookup_max, got min={lo} > max={hi}"
+            )
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    @property
+    def enabled(self) -> bool:
+        """True when the engine speculates at all."""
+        return self.method is not None
+
+    def build_reasoning_parser(self) -> ReasoningParser | None:
+        """The configured parser with explicit marker overrides applied; None when none is configured."""
+        if self.reasoning_parser is None:
+            if self.think_start_token is None or self.think_end_token is None:
+                return None
+            return ReasoningParser.from_tokens(self.think_start_token, self.think_end_token)
+        parser = get_reasoning_parser(self.reasoning_parser)
+        if self.think_start_token is None and self.think_end_token is None:
+            return parser
+        return ReasoningParser(
+            name=parser.name,
+            think_start=self.think_start_token or parser.think_start,
+            think_end=self.think_end_token or parser.think_end,
+        )
+
+    def resolve_reasoning(
+        self, tokenizer: Any, extra_protected_token_ids: tuple[int, ...] = ()
+    ) -> ResolvedReasoning | None:
+        """Resolve the markers against the target's tokenizer (raises ValueError naming a missing marker)."""
+        parser = self.build_reasoning_parser()
+        if parser is None:
+            return None
+        return parser.resolve(tokenizer, extra_protected_token_ids=extra_protected_token_ids)
+
+    # ---- (de)serialisation -------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"SpeculativeConfig must be built from a dict, got {type(data).__name__}")
+        known = cls.field_names()
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ValueError(f"SpeculativeConfig got unknown keys {unknown}; known keys: {list(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"SpeculativeConfig JSON is invalid: {exc}; got {text!r}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """What `LLM(speculative_config=...)` and `--speculative-config` accept.
+
+        None, an empty string and "null" mean no speculation and return None.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                data = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"SpeculativeConfig JSON is invalid: {exc}; got {value!r}") from None
+            return None if data is None else cls.from_dict(data)
+        raise ValueError(
+            "speculative_config must be None, a dict, a JSON string or a SpeculativeConfig, "
+            f"got {type(value).__name__}"
+        )

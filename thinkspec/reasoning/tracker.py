@@ -1,0 +1,137 @@
+"""Per-token reasoning phase: which draft positions may be relaxed.
+
+The phase state of a batch is a bool tensor `thinking [B]` (True = inside `<think>`) owned by
+the caller. The phase after a run of tokens is decided by the last marker in the run (start
+marker -> thinking, end marker -> answer), or is unchanged when the run has none. Everything
+here is tensor ops on the inputs' device: no host sync, no Python loop over tokens or rows.
+Pads (-1) never match a marker because marker ids are non-negative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _check_token_id(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"PhaseTracker.{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _phase_after(
+    thinking: torch.Tensor,  # [B] bool
+    token_ids: torch.Tensor,  # [B, N] int64
+    valid: torch.Tensor | None,  # [B, N] bool or None (all valid)
+    think_start_id: int,
+    think_end_id: int,
+    prefix: bool,
+) -> torch.Tensor:  # [B, N] bool if prefix else [B] bool
+    """Phase after each prefix (prefix=True) or after the whole valid run (prefix=False)."""
+    is_start = token_ids == think_start_id
+    is_marker = is_start | (token_ids == think_end_id)
+    if valid is not None:
+        is_marker &= valid
+    pos = torch.arange(token_ids.shape[1], device=token_ids.device)
+    # Encode position and marker kind in one key so the latest marker is a plain max.
+    key = torch.where(is_marker, pos * 2 + is_start.long(), torch.full_like(token_ids, -1))
+    last = key.cummax(dim=1).values if prefix else key.amax(dim=1)
+    init = thinking[:, None] if prefix else thinking
+    return torch.where(last >= 0, (last % 2) == 1, init)
+
+
+def initial_phase(
+    prompt_token_ids: Sequence[int] | torch.Tensor,  # [L] int
+    think_start_id: int,
+    think_end_id: int,
+) -> bool:
+    """True when the prompt's last think marker is the start marker (no marker -> False)."""
+    ids = torch.as_tensor(prompt_token_ids, dtype=torch.long).reshape(1, -1)
+    if ids.shape[1] == 0:
+        return False
+    start = torch.zeros(1, dtype=torch.bool, device=ids.device)
+    return bool(_phase_after(start, ids, None, think_start_id, think_end_id, prefix=False)[0])
+
+
+class PhaseTracker:
+    """Per-token phase for a batch, plus the relax mask of the acceptance contract."""
+
+    def __init__(
+        self,
+        think_start_id: int,
+        think_end_id: int,
+        protected_token_ids: Sequence[int] | torch.Tensor = (),
+    ) -> None:
+        self.think_start_id = _check_token_id("think_start_id", think_start_id)
+        self.think_end_id = _check_token_id("think_end_id", think_end_id)
+        if think_start_id == think_end_id:
+            raise ValueError(f"PhaseTracker markers must differ, got {think_start_id} for both")
+        ids = torch.as_tensor(protected_token_ids, dtype=torch.long).reshape(-1).cpu()
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(
+                f"PhaseTracker.protected_token_ids must be non-negative, got min {int(ids.min())}"
+            )
+        # The markers are always protected, whatever the caller passed.
+        ids = torch.cat([ids, torch.tensor([think_start_id, think_end_id])]).unique(sorted=True)
+        self.protected_token_ids = ids  # [P] int64, sorted, CPU
+        self._protected_on: dict[torch.device, torch.Tensor] = {ids.device: ids}
+
+    def protected_on(self, device: torch.device) -> torch.Tensor:  # [P] int64
+        ids = self._protected_on.get(device)
+        if ids is None:
+            ids = self._protected_on[device] = self.protected_token_ids.to(device)
+        return ids
+
+    def is_protected(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [...] bool
+        return torch.isin(token_ids, self.protected_on(token_ids.device))
+
+    def initial_phase(self, prompt_token_ids: Sequence[int] | torch.Tensor) -> bool:
+        return initial_phase(prompt_token_ids, self.think_start_id, self.think_end_id)
+
+    def phase_before(
+        self,
+        thinking: torch.Tensor,  # [B] bool
+        draft_token_ids: torch.Tensor,  # [B, K] int64
+    ) -> torch.Tensor:  # [B, K] bool: phase before each draft position
+        if draft_token_ids.shape[1] == 0:
+            return draft_token_ids.new_zeros(draft_token_ids.shape, dtype=torch.bool)
+        after = _phase_after(
+            thinking.bool(), draft_token_ids, None, self.think_start_id, self.think_end_id, prefix=True
+        )
+        return torch.cat([thinking.bool()[:, None], after[:, :-1]], dim=1)
+
+    def relax_mask(
+        self,
+        thinking: torch.Tensor,  # [B] bool
+        draft_token_ids: torch.Tensor,  # [B, K] int64, pads past num_draft_tokens
+        num_draft_tokens: torch.Tensor,  # [B] int64
+        enabled: torch.Tensor | None = None,  # [B] bool: request has relaxation on; None = all
+    ) -> torch.Tensor:  # [B, K] bool
+        """True where draft position i may take the relaxed test.
+
+        Phase before i is thinking (a marker inside the window switches the later positions),
+        i < num_draft_tokens, draft[i] is not protected, and the row has relaxation enabled.
+        """
+        k = draft_token_ids.shape[1]
+        pos = torch.arange(k, device=draft_token_ids.device)
+        mask = self.phase_before(thinking, draft_token_ids)
+        mask &= pos[None, :] < num_draft_tokens[:, None]
+        mask &= ~self.is_protected(draft_token_ids)
+        if enabled is not None:
+            mask &= enabled.bool()[:, None]
+        return mask
+
+    def advance(
+        self,
+        thinking: torch.Tensor,  # [B] bool
+        token_ids: torch.Tensor,  # [B, N] int64: committed tokens, pads past num_tokens
+        num_tokens: torch.Tensor,  # [B] int64
+    ) -> torch.Tensor:  # [B] bool: phase after the first num_tokens[b] tokens of each row
+        if token_ids.shape[1] == 0:
+            return thinking.bool().clone()
+        pos = torch.arange(token_ids.shape[1], device=token_ids.device)
+        valid = pos[None, :] < num_tokens[:, None]
+        return _phase_after(
+            thinking.bool(), token_ids, valid, self.think_start_id, self.think_end_id, prefix=False
+        )
