@@ -1,0 +1,151 @@
+"""One request's state: tokens, KV bookkeeping, detokenized text and the per-token stop check."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinkspec.outputs import RequestMetrics
+from thinkspec.sampling_params import SamplingParams
+from thinkspec.utils import detokenize_incrementally, initial_detokenize_offsets
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Prompt + generated tokens of one request.
+
+    KV bookkeeping: the first `num_computed_tokens` tokens have their K/V in the cache, in the
+    blocks of `block_table` (token i lives in block_table[i // block_size] at offset i % block_size).
+    Rolling back speculative tokens is just lowering num_computed_tokens: stale slots are
+    overwritten by the next forward. `num_cached_tokens` counts prompt tokens served by the
+    prefix cache when the sequence was first admitted.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of full blocks
+    num_hashed_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    prefix_offset: int = 0  # incremental detokenization window into token_ids
+    read_offset: int = 0
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty (0 tokens)")
+        self.token_ids = list(self.prompt_token_ids)
+        self.prefix_offset, self.read_offset = initial_detokenize_offsets(len(self.prompt_token_ids))
+        self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=self.num_prompt_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.monotonic()
+
+
+def commit_token(seq: Sequence, token_id: int, *, max_model_len: int, tokenizer: Any | None) -> bool:
+    """Append one generated token, update the text and finish the sequence if it must stop.
+
+    Returns True when the sequence finished with this token. Speculative decoding commits its
+    accepted tokens by calling this once per token and stopping at the first True, so a
+    multi-token commit ends exactly where one-token-at-a-time decoding would.
+
+    Order: EOS / stop_token_ids (not before min_tokens), then stop strings on the incremental
+    text, then max_tokens / max_model_len ("length"). A token that stops by id is kept in
+    token_ids but its text is added only with include_stop_str_in_output.
+    """
+    if seq.is_finished:
+        raise RuntimeError(f"request {seq.request_id!r} is finished; cannot commit token {token_id}")
+    params = seq.sampling_params
+    seq.token_ids.append(token_id)
+    seq.metrics.num_generated_tokens = seq.num_output_tokens
+    if seq.metrics.first_token_time is None:
+        seq.metrics.first_token_time = time.monotonic()
+
+    stop_by_id: tuple[str, int | None] | None = None
+    if seq.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            stop_by_id = ("stop", token_id)
+        elif not params.ignore_eos and token_id in seq.eos_token_ids:
+            stop_by_id = ("stop", None)
+
+    if tokenizer is not None and (stop_by_id is None or params.include_stop_str_in_output):
+        delta, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
+            tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset, params.skip_special_tokens
+        )
+        seq.output_text += delta
+        if stop_by_id is None and params.stop and delta and _check_stop_strings(seq, len(delta)):
+            return True
+
+    if stop_by_id is not None:
+        seq.finish(*stop_by_id)
+        return True
+    if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+        seq.num_tokens >= max_model_len
+    ):
+        seq.finish("length")
+        return True
+    return False
+
+
+def _check_stop_strings(seq: Sequence, new_chars: int) -> bool:
+    """Look for a stop string that ends inside the newly added text; truncate and finish if found."""
+    params = seq.sampling_params
+    if seq.num_output_tokens < params.min_tokens:
+        return False
+    text = seq.output_text
+    for stop in params.stop:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx == -1:
+            continue
+        end = idx + len(stop) if params.include_stop_str_in_output else idx
+        seq.output_text = text[:end]
+        seq.finish("stop", stop)
+        return True
+    return False
