@@ -1,0 +1,296 @@
+"""Speculative decoding counters, split by reasoning phase.
+
+Definitions (one verify step of one request proposes `n = num_draft_tokens` drafts and accepts
+the first `a <= n` of them; the step then emits `a + 1` tokens, the +1 being the bonus or
+correction token):
+
+- num_drafts: verify steps with n >= 1 (steps with no draft are plain decode and not counted).
+- num_draft_tokens / num_accepted_tokens: proposed / accepted draft tokens.
+- num_draft_tokens_per_pos[k] / num_accepted_tokens_per_pos[k]: the same at draft position k.
+- num_relaxed_accepted_tokens: accepted drafts that the strict rule would have rejected
+  (accepted only because of the relaxation).
+- num_emitted_tokens: a + 1 summed over counted steps.
+
+Phase split: token-level counters use each position's own phase (the phase before it, see
+`PhaseTracker.phase_before`); step-level counters (num_drafts, num_emitted_tokens) use the phase
+before the step's first draft position. The totals are the sum of the two phases.
+
+Derived figures (0.0 when the denominator is 0):
+- mean_acceptance_length = num_emitted_tokens / num_drafts (= 1 + accepted drafts per step)
+- draft_acceptance_rate = num_accepted_tokens / num_draft_tokens
+- acceptance_rate_per_pos[k] = num_accepted_tokens_per_pos[k] / num_draft_tokens_per_pos[k]
+- relaxed_share = num_relaxed_accepted_tokens / num_accepted_tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+PHASES = ("thinking", "answer")
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else 0.0
+
+
+def _add_lists(a: list[int], b: Sequence[int]) -> list[int]:
+    out = list(a) + [0] * max(0, len(b) - len(a))
+    for k, v in enumerate(b):
+        out[k] += int(v)
+    return out
+
+
+@dataclass(slots=True)
+class PhaseCounters:
+    """Integer counters for one phase (or for the total)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_relaxed_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def merge(self, other: PhaseCounters) -> PhaseCounters:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_relaxed_accepted_tokens += other.num_relaxed_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_draft_tokens_per_pos = _add_lists(
+            self.num_draft_tokens_per_pos, other.num_draft_tokens_per_pos
+        )
+        self.num_accepted_tokens_per_pos = _add_lists(
+            self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
+        )
+        return self
+
+    @classmethod
+    def from_packed(cls, packed: np.ndarray) -> PhaseCounters:  # [5 + 2K] int64
+        values = packed.tolist()
+        k = (len(values) - 5) // 2
+        return cls(*values[:5], values[5 : 5 + k], values[5 + k :])
+
+    def copy(self) -> PhaseCounters:
+        return PhaseCounters().merge(self)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return _ratio(self.num_emitted_tokens, self.num_drafts)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [_ratio(a, d) for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
+
+    @property
+    def relaxed_share(self) -> float:
+        return _ratio(self.num_relaxed_accepted_tokens, self.num_accepted_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_relaxed_accepted_tokens": self.num_relaxed_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+            "relaxed_share": self.relaxed_share,
+        }
+
+
+@dataclass(slots=True)
+class SpecDecodeStep:
+    """Host copy of one verify step of a batch (what `SpecDecodeMetrics.observe_step` consumes)."""
+
+    num_draft_tokens: np.ndarray  # [B] int64
+    num_accepted: np.ndarray  # [B] int64, accepted drafts (bonus/correction not included)
+    relaxed_accepted: np.ndarray  # [B, K] bool, True where only the relaxed test accepted
+    thinking_before: np.ndarray  # [B, K] bool, phase before each draft position
+    _per_row: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        num_draft_tokens: torch.Tensor | np.ndarray,  # [B] int
+        num_accepted: torch.Tensor | np.ndarray,  # [B] int
+        relaxed_accepted: torch.Tensor | np.ndarray,  # [B, K] bool
+        thinking_before: torch.Tensor | np.ndarray,  # [B, K] bool
+    ) -> SpecDecodeStep:
+        """Validate shapes and bring the step to the host in one device->host copy."""
+        if isinstance(relaxed_accepted, torch.Tensor):
+            nd, na = torch.as_tensor(num_draft_tokens), torch.as_tensor(num_accepted)
+            thinking_before = torch.as_tensor(thinking_before)
+            dev = relaxed_accepted.device
+            cls._check_shapes(
+                tuple(nd.shape), tuple(na.shape), tuple(relaxed_accepted.shape), tuple(thinking_before.shape)
+            )
+            packed = (
+                torch.cat(
+                    [
+                        nd.to(dev, torch.long)[:, None],
+                        na.to(dev, torch.long)[:, None],
+                        relaxed_accepted.to(torch.long),
+                        thinking_before.to(dev, torch.long),
+                    ],
+                    dim=1,
+                )
+                .cpu()
+                .numpy()
+            )  # [B, 2 + 2K] int64
+            k = relaxed_accepted.shape[1]
+            step = cls(packed[:, 0], packed[:, 1], packed[:, 2 : 2 + k] != 0, packed[:, 2 + k :] != 0)
+        else:
+            step = cls(
+                np.asarray(num_draft_tokens, dtype=np.int64),
+                np.asarray(num_accepted, dtype=np.int64),
+                np.asarray(relaxed_accepted, dtype=bool),
+                np.asarray(thinking_before, dtype=bool),
+            )
+            cls._check_shapes(
+                step.num_draft_tokens.shape,
+                step.num_accepted.shape,
+                step.relaxed_accepted.shape,
+                step.thinking_before.shape,
+            )
+        k = step.relaxed_accepted.shape[1]
+        if (step.num_draft_tokens < 0).any() or (step.num_draft_tokens > k).any():
+            raise ValueError(f"num_draft_tokens must be in [0, {k}], got {step.num_draft_tokens.tolist()}")
+        if (step.num_accepted < 0).any() or (step.num_accepted > step.num_draft_tokens).any():
+            raise ValueError(
+                f"num_accepted must be in [0, num_draft_tokens], got {step.num_accepted.tolist()} "
+                f"for num_draft_tokens {step.num_draft_tokens.tolist()}"
+            )
+        return step
+
+    @staticmethod
+    def _check_shapes(nd: tuple, na: tuple, relaxed: tuple, thinking: tuple) -> None:
+        if len(relaxed) != 2 or len(nd) != 1 or nd != na or relaxed != thinking or nd[0] != relaxed[0]:
+            raise ValueError(
+                "expected num_draft_tokens [B], num_accepted [B], relaxed_accepted [B, K], "
+                f"thinking_before [B, K]; got {nd}, {na}, {relaxed}, {thinking}"
+            )
+
+    def per_row(self) -> np.ndarray:  # [B, 2, 5 + 2K] int64, computed once per step
+        """Each row's counters for (thinking, answer), packed as `PhaseCounters.from_packed` reads them.
+
+        Per-request accumulation indexes this array instead of recounting, so keeping one
+        SpecDecodeMetrics per request costs a few Python additions per request and step.
+        """
+        if self._per_row is not None:
+            return self._per_row
+        nd, na = self.num_draft_tokens, self.num_accepted
+        relaxed, thinking = self.relaxed_accepted, self.thinking_before
+        k = relaxed.shape[1]
+        pos = np.arange(k)
+        drafted = pos[None, :] < nd[:, None]  # [B, K]
+        accepted = pos[None, :] < na[:, None]  # [B, K]
+        in_phase = np.stack([thinking, ~thinking])  # [2, B, K]: thinking, answer
+        d = drafted[None] & in_phase  # [2, B, K]
+        a = accepted[None] & in_phase  # [2, B, K]
+        # A step belongs to the phase before its first draft position; rows without drafts count nowhere.
+        steps = (nd >= 1)[None] & (in_phase[:, :, 0] if k else np.zeros((2, len(nd)), dtype=bool))  # [2, B]
+        scalars = np.stack(
+            [steps, d.sum(-1), a.sum(-1), (a & relaxed[None]).sum(-1), steps * (na + 1)[None]], axis=-1
+        )  # [2, B, 5]
+        packed = np.concatenate([scalars, d, a], axis=-1).astype(np.int64)  # [2, B, 5 + 2K]
+        self._per_row = packed.transpose(1, 0, 2).copy()
+        return self._per_row
+
+    def counters(
+        self, rows: int | slice | Sequence[int] | np.ndarray | None = None
+    ) -> dict[str, PhaseCounters]:
+        """Per-phase counters of the selected rows (all rows when None)."""
+        per_row = self.per_row()
+        packed = (
+            per_row[rows]
+            if isinstance(rows, (int, np.integer))
+            else per_row[slice(None) if rows is None else rows].sum(0)
+        )
+        return {
+            "thinking": PhaseCounters.from_packed(packed[0]),
+            "answer": PhaseCounters.from_packed(packed[1]),
+        }
+
+
+@dataclass(slots=True)
+class SpecDecodeMetrics:
+    """Accumulated speculative decoding counters, by phase; cheap to keep per request and per call."""
+
+    thinking: PhaseCounters = field(default_factory=PhaseCounters)
+    answer: PhaseCounters = field(default_factory=PhaseCounters)
+
+    def observe(
+        self,
+        num_draft_tokens: torch.Tensor | np.ndarray,  # [B] int
+        num_accepted: torch.Tensor | np.ndarray,  # [B] int
+        relaxed_accepted: torch.Tensor | np.ndarray,  # [B, K] bool
+        thinking_before: torch.Tensor | np.ndarray,  # [B, K] bool
+        request_index: int | slice | Sequence[int] | None = None,
+    ) -> SpecDecodeStep:
+        """Add one verify step (or its rows `request_index`); returns the host copy for reuse.
+
+        Reuse the returned step with `observe_step(step, i)` for per-request metrics, so the
+        device is read once per step.
+        """
+        step = SpecDecodeStep.from_tensors(num_draft_tokens, num_accepted, relaxed_accepted, thinking_before)
+        self.observe_step(step, request_index)
+        return step
+
+    def observe_step(
+        self, step: SpecDecodeStep, request_index: int | slice | Sequence[int] | None = None
+    ) -> SpecDecodeMetrics:
+        counters = step.counters(request_index)
+        self.thinking.merge(counters["thinking"])
+        self.answer.merge(counters["answer"])
+        return self
+
+    def merge(self, other: SpecDecodeMetrics) -> SpecDecodeMetrics:
+        self.thinking.merge(other.thinking)
+        self.answer.merge(other.answer)
+        return self
+
+    def phase(self, phase: str | None = None) -> PhaseCounters:
+        """Counters of one phase ("thinking" / "answer"), or the total for None."""
+        if phase is None:
+            return self.thinking.copy().merge(self.answer)
+        if phase == "thinking":
+            return self.thinking
+        if phase == "answer":
+            return self.answer
+        raise ValueError(f"phase must be one of {PHASES} or None, got {phase!r}")
+
+    @property
+    def total(self) -> PhaseCounters:
+        return self.phase(None)
+
+    def mean_acceptance_length(self, phase: str | None = None) -> float:
+        return self.phase(phase).mean_acceptance_length
+
+    def draft_acceptance_rate(self, phase: str | None = None) -> float:
+        return self.phase(phase).draft_acceptance_rate
+
+    def acceptance_rate_per_pos(self, phase: str | None = None) -> list[float]:
+        return self.phase(phase).acceptance_rate_per_pos
+
+    def relaxed_share(self, phase: str | None = None) -> float:
+        return self.phase(phase).relaxed_share
+
+    def to_dict(self) -> dict[str, Any]:
+        """Totals at the top level, and the same keys per phase under "by_phase"."""
+        out = self.total.to_dict()
+        out["by_phase"] = {"thinking": self.thinking.to_dict(), "answer": self.answer.to_dict()}
+        return out
