@@ -120,6 +120,12 @@ def make_tiny_checkpoint(
 
     if arch not in _ARCH_PREFIX:
         raise ValueError(f"arch={arch!r}; expected one of {sorted(_ARCH_PREFIX)}")
+    if tokenizer and vocab_size < TOKENIZER_SIZE:
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {TOKENIZER_SIZE} tokens")
+    # without the tokenizer a smaller vocabulary may be asked for; its last id then serves as eos
+    eos, im_end = (
+        (ENDOFTEXT_ID, IM_END_ID) if vocab_size >= TOKENIZER_SIZE else (vocab_size - 1, vocab_size - 1)
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     prefix = _ARCH_PREFIX[arch]
@@ -137,8 +143,8 @@ def make_tiny_checkpoint(
         rope_scaling=dict(rope_scaling) if rope_scaling else None,
         tie_word_embeddings=tied,
         bos_token_id=None,
-        eos_token_id=ENDOFTEXT_ID,
-        pad_token_id=ENDOFTEXT_ID,
+        eos_token_id=eos,
+        pad_token_id=eos,
         rms_norm_eps=1e-6,
     )
     torch.manual_seed(seed)
@@ -155,8 +161,8 @@ def make_tiny_checkpoint(
                 p.copy_(init_std * noise)
     model = model.to(dtype)
     model.generation_config = transformers.GenerationConfig(
-        eos_token_id=[IM_END_ID, ENDOFTEXT_ID],
-        pad_token_id=ENDOFTEXT_ID,
+        eos_token_id=list(dict.fromkeys([im_end, eos])),
+        pad_token_id=eos,
         do_sample=True,
         temperature=0.6,
         top_p=0.95,
@@ -164,8 +170,6 @@ def make_tiny_checkpoint(
     )
     model.save_pretrained(path, max_shard_size="40KB" if sharded else "10GB")
     if tokenizer:
-        if vocab_size < TOKENIZER_SIZE:
-            raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {TOKENIZER_SIZE} tokens")
         build_tokenizer().save_pretrained(path)
     return path
 
