@@ -12,7 +12,7 @@ from thinkspec.layers.attention_torch import TorchAttentionBackend, store_kvcach
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context
 from thinkspec.layers.linear import MergedLinear
 from thinkspec.layers.norm import RMSNorm
-from thinkspec.layers.rotary import RotaryEmbedding, compute_inv_freq
+from thinkspec.layers.rotary import RotaryEmbedding, attention_factor, compute_inv_freq
 
 
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -168,6 +168,9 @@ def test_backend_is_swappable() -> None:
         {"rope_type": "linear", "factor": 3.0},
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 100, "beta_fast": 16,
+         "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False},
     ],
 )  # fmt: skip
 def test_inv_freq_matches_transformers(scaling: dict | None) -> None:
@@ -178,8 +181,9 @@ def test_inv_freq_matches_transformers(scaling: dict | None) -> None:
     if scaling is None:
         ref = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
     else:
-        ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
-    assert torch.equal(compute_inv_freq(64, 500000.0, scaling), ref)
+        ref, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        assert attention_factor(scaling) == pytest.approx(ref_factor, rel=1e-12)
+    torch.testing.assert_close(compute_inv_freq(64, 500000.0, scaling), ref, rtol=1e-6, atol=0)
 
 
 def test_rotary_matches_rotate_half_formula() -> None:
@@ -199,8 +203,8 @@ def test_rotary_matches_rotate_half_formula() -> None:
     assert torch.equal(rq[0], q[0])  # position 0 is the identity
     with pytest.raises(ValueError, match="head_dim=7 must be even"):
         RotaryEmbedding(7, 10, 10000.0)
-    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
-        compute_inv_freq(8, 1e4, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type='dynamic' is not supported"):
+        compute_inv_freq(8, 1e4, {"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_rmsnorm_matches_formula_in_bf16() -> None:

@@ -250,8 +250,12 @@ def test_config_rope_formats_agree() -> None:
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported; supported: \\['silu'\\]"),
         ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
         (
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-            "rope_type='yarn' is not supported; supported: ",
+            {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            "rope_type='longrope' is not supported; supported: ",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn"}},
+            "type 'yarn' needs field 'factor'",
         ),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs field 'low_freq_factor'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, "factor=0.0 must be > 0"),

@@ -60,6 +60,16 @@ def test_linear_rope_scaling() -> None:
     assert_close_rel(PagedHarness(model).step([(0, ids)]), hf_logits(path, ids))
 
 
+def test_yarn_rope_scaling() -> None:
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    path = tiny_checkpoint("qwen3", tied=True, rope_scaling=yarn)
+    model, _ = load_model(path)
+    ids = random_ids(90, seed=19)
+    ref = hf_logits(path, ids)
+    assert_close_rel(PagedHarness(model).step([(0, ids)]), ref)
+    assert (hf_logits(tiny_checkpoint("qwen3", tied=True), ids) - ref).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sharded_checkpoint(arch: str) -> None:
     path = tiny_checkpoint(arch, tied=False, sharded=True)

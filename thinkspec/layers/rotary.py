@@ -1,8 +1,8 @@
 """Rotary position embedding (non-interleaved, "rotate half" layout) with rope scaling.
 
-Supported `rope_type`s: default, linear, llama3. cos/sin are precomputed in float32 for every
-position below `max_positions` and cast to the activation dtype when applied, matching the
-Hugging Face reference bit for bit in float32.
+Supported `rope_type`s: default, linear, llama3, yarn (static, as in transformers). cos/sin
+are precomputed in float32 for every position below `max_positions` and cast to the
+activation dtype when applied, matching the Hugging Face reference in float32.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def compute_inv_freq(
@@ -40,7 +40,48 @@ def compute_inv_freq(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, rope_theta, rope_scaling)
     raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+
+
+def attention_factor(rope_scaling: dict | None) -> float:
+    """Scale applied to cos/sin; only YaRN uses one (its "mscale")."""
+    if rope_scaling is None or rope_scaling.get("rope_type") != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    # interpolate low frequencies by `factor`, keep high ones, linear ramp between (YaRN, static form)
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)
+    ).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,7 +102,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = t[:, None] * inv_freq[None, :]
-        return torch.stack((freqs.cos(), freqs.sin()), dim=1)
+        scale = attention_factor(self.rope_scaling)
+        return torch.stack((freqs.cos() * scale, freqs.sin() * scale), dim=1)
 
     def reset_cache(self, device: torch.device | str) -> None:
         """Recompute the cache on `device` (after the model was materialised from the meta device)."""

@@ -11,10 +11,7 @@ from typing import Any
 
 from thinkspec.layers.rotary import SUPPORTED_ROPE_TYPES
 
-_ROPE_REQUIRED_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-}
+_ROPE_REQUIRED_KEYS = {"linear": (), "llama3": ("low_freq_factor", "high_freq_factor"), "yarn": ()}
 
 
 @dataclass(slots=True)
@@ -116,14 +113,22 @@ def _parse_rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any
     for key in _ROPE_REQUIRED_KEYS[rope_type]:
         if params.get(key) is None:
             raise ValueError(f"config.json: rope_scaling of type {rope_type!r} needs field {key!r}")
-    if rope_type == "llama3":
+    if (
+        rope_type == "yarn"
+        and params.get("factor") is None
+        and params.get("original_max_position_embeddings")
+    ):
+        params["factor"] = max_pos / params["original_max_position_embeddings"]
+    if params.get("factor") is None:
+        raise ValueError(f"config.json: rope_scaling of type {rope_type!r} needs field 'factor'")
+    if rope_type in ("llama3", "yarn"):
         original = cfg.get("original_max_position_embeddings") or max_pos
         params.setdefault("original_max_position_embeddings", original)
-        if params["high_freq_factor"] <= params["low_freq_factor"]:
-            raise ValueError(
-                f"config.json: rope_scaling high_freq_factor={params['high_freq_factor']} must exceed "
-                f"low_freq_factor={params['low_freq_factor']}"
-            )
+    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise ValueError(
+            f"config.json: rope_scaling high_freq_factor={params['high_freq_factor']} must exceed "
+            f"low_freq_factor={params['low_freq_factor']}"
+        )
     if params["factor"] <= 0:
         raise ValueError(f"config.json: rope_scaling factor={params['factor']} must be > 0")
     return theta, {"rope_type": rope_type, **params}
