@@ -112,7 +112,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated q, k (same shapes and dtypes)
+        # positions: [T] int64, each < max_positions; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated q, k
         cos_sin = self.cos_sin_cache[positions]
         cos = cos_sin[:, 0, None, :].to(q.dtype)  # [T, 1, D/2]
         sin = cos_sin[:, 1, None, :].to(q.dtype)
