@@ -130,8 +130,10 @@ class Sampler:
                 f"logits {tuple(logits.shape)} must be [N, V] with N = len(params) = len(positions) "
                 f"({len(params)}, {len(positions)})"
             )
-        t = tensors or SamplingTensors.from_params(params, logits.device)
         greedy_tokens = greedy_sample(logits)
+        if tensors is None and all(p.is_greedy for p in params):
+            return greedy_tokens  # no per-row tensors to build or copy
+        t = tensors or SamplingTensors.from_params(params, logits.device)
         if t.all_greedy:
             return greedy_tokens
         scaled = apply_temperature(logits.float(), t.temperature)

@@ -1,0 +1,320 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduled forward + sample per step()."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from thinkspec.engine.block_manager import BlockManager
+from thinkspec.engine.model_runner import ModelRunner, determine_kv_cache_memory, kv_cache_bytes_per_block
+from thinkspec.engine.scheduler import Scheduler
+from thinkspec.engine.sequence import Sequence
+from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from thinkspec.sampling.sampler import Sampler
+from thinkspec.sampling_params import SamplingParams
+from thinkspec.utils import logger, resolve_device
+
+PromptType = str | list[int] | Mapping[str, Any]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings; validated at construction (ValueError names the field, value and range).
+
+    max_model_len: longest prompt + output; default the model's max_position_embeddings, capped
+        by the KV pool's capacity. Prompts longer than min(max_model_len, KV capacity) fail.
+    max_num_batched_tokens: token budget of one forward; longer prompts are prefilled in chunks.
+    kv_cache_memory: bytes for the KV pool (default 256 MiB on CPU; on GPU it overrides
+        gpu_memory_utilization).
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint folder or hub id, got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a path / hub id or None, got {self.tokenizer!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
+            )
+        if not _is_int(self.block_size) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        kv = self.kv_cache_memory
+        if kv is not None and (not _is_int(kv) or kv < 1):
+            raise ValueError(f"kv_cache_memory must be a number of bytes >= 1 or None, got {kv!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.reasoning_parser is not None:
+            from thinkspec.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # raises ValueError listing the known names
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from thinkspec.models.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model, self.model_info = load_model(config.model, config.dtype, self.device)
+        info = self.model_info
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(info.path))
+        eos = list(info.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        if config.max_model_len is not None and config.max_model_len > info.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
+                f"({info.max_position_embeddings})"
+            )
+        self.model_len = model_len = config.max_model_len or info.max_position_embeddings
+
+        kv_bytes = determine_kv_cache_memory(
+            self.model,
+            device=self.device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory=config.kv_cache_memory,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=model_len,
+            max_num_seqs=config.max_num_seqs,
+            vocab_size=info.vocab_size,
+        )
+        self.bytes_per_block = kv_cache_bytes_per_block(
+            info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, info.dtype
+        )
+        num_blocks = kv_bytes // self.bytes_per_block
+        # More blocks than every running sequence at full length twice over only feed the prefix
+        # cache, and the host bookkeeping grows with them (tiny models on big GPUs).
+        max_useful = 2 * config.max_num_seqs * -(-model_len // config.block_size)
+        if num_blocks > max_useful and config.kv_cache_memory is None:
+            logger.info("KV pool capped at %d blocks (memory for %d)", max_useful, num_blocks)
+            num_blocks = max_useful
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={kv_bytes} bytes holds no KV block; one block of {config.block_size} "
+                f"tokens needs {self.bytes_per_block} bytes"
+            )
+        self.kv_capacity_tokens = num_blocks * config.block_size
+        # Longest prompt + output any request may reach.
+        self.max_model_len = min(model_len, self.kv_capacity_tokens)
+        if config.max_model_len is not None and config.max_model_len > self.kv_capacity_tokens:
+            logger.warning(
+                "max_model_len=%d exceeds the KV cache capacity of %d tokens; requests are capped there",
+                config.max_model_len, self.kv_capacity_tokens,
+            )  # fmt: skip
+
+        self.model_runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=info.dtype,
+            device=self.device,
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        self.reasoning = None
+        if config.reasoning_parser is not None:
+            from thinkspec.reasoning import get_reasoning_parser
+
+            self.reasoning = get_reasoning_parser(config.reasoning_parser).resolve(self.tokenizer)
+        self._request_counter = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        logger.info(
+            "engine ready: %s (%s, %s) on %s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            info.architecture, info.path.name, str(info.dtype).removeprefix("torch."), self.device,
+            num_blocks, config.block_size, num_blocks * self.bytes_per_block / 2**20, self.max_model_len,
+        )  # fmt: skip
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue one request; returns its id. Raises ValueError for a prompt the engine cannot run
+        (too long for max_model_len or the KV pool, empty, token ids outside the vocabulary)."""
+        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.check_prompt(request_id, token_ids)
+        seq = Sequence(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(seq)
+        return request_id
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids) for a string, a token-id list or a vLLM-style dict."""
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if isinstance(prompt.get("prompt"), str):
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty (0 tokens)")
+        if n > self.max_model_len:
+            why = f"max_model_len={self.model_len}"
+            if self.kv_capacity_tokens < self.model_len:
+                why += f", KV cache capacity {self.kv_capacity_tokens} tokens"
+            raise ValueError(
+                f"request {request_id!r}: prompt has {n} tokens, more than the limit of "
+                f"{self.max_model_len} ({why})"
+            )
+        vocab = self.model_info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its final output (finish_reason "abort", tokens so far) comes with the
+        next step()."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._pending_outputs.append(self.make_output(seq))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished_requests()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, commit. Returns outputs of requests that produced
+        tokens or finished this step (cumulative text and token ids)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("the scheduler could not fit any request in the KV pool")
+            return outputs
+        sample_mask = sched.sample_mask()
+        num_logits = [int(m) for m in sample_mask]
+        logits = self.model_runner.execute_model(sched.seqs, sched.num_new_tokens, num_logits)
+        sampled = [s for s, m in zip(sched.seqs, sample_mask) if m]
+        tokens: list[int] = []
+        if sampled:
+            self._mask_stop_tokens_before_min_tokens(logits, sampled)
+            params = [s.sampling_params for s in sampled]
+            tokens = self.sampler(logits, params, [s.num_output_tokens for s in sampled]).tolist()
+        it = iter(tokens)
+        committed = [[next(it)] if m else [] for m in sample_mask]
+        for seq in self.scheduler.postprocess(sched, committed):
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        # logits [N, V] float32, row i for seqs[i]; EOS/stop ids get -inf until min_tokens are out.
+        for i, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if seq.num_output_tokens < params.min_tokens:
+                ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+                logits[i, sorted(t for t in ids if t < logits.shape[1])] = -math.inf
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=seq.output_text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        if self.reasoning is not None and seq.is_finished:
+            starts_thinking = self.reasoning.initial_phase(seq.prompt_token_ids)
+            completion.reasoning_content, completion.content = self.reasoning.split(
+                seq.output_text, starts_thinking
+            )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            num_cached_tokens=seq.metrics.num_cached_tokens,
+        )
+
+    @staticmethod
+    def error_output(request_id: str, prompt: str | None, token_ids: list[int], error: str) -> RequestOutput:
+        """The output of a request that failed before it ran (finish_reason "error")."""
+        import time
+
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=token_ids,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+            finished=True,
+            metrics=RequestMetrics(now, finished_time=now, num_prompt_tokens=len(token_ids)),
+            error=error,
+        )
+
+    # ---- statistics ---------------------------------------------------------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self):
+        return self.block_manager.stats

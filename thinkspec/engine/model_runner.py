@@ -1,0 +1,249 @@
+"""Runs one model over a ragged batch against its paged KV pool.
+
+The ModelRunner owns the KV tensors of one model and builds each step's inputs from the
+sequences' block tables; the BlockManager (the bookkeeping) lives outside, so a draft model can
+get a second ModelRunner with its own pool of the same `num_blocks` and share the block tables.
+
+KV pool: one tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; layer l
+gets the views kv[0, l] (k_cache) and kv[1, l] (v_cache).
+
+Pool size: on CPU, `kv_cache_memory` bytes (default 256 MiB). On GPU, `gpu_memory_utilization`
+is the fraction of the device's total memory this process may use, as in vLLM: after the model
+is loaded, a profile forward of max_num_batched_tokens tokens measures the peak; the pool gets
+utilization * total - peak - memory held outside PyTorch's allocator. `kv_cache_memory`, when
+given, overrides this on either device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+from torch import nn
+
+from thinkspec.engine.sequence import Sequence
+from thinkspec.layers.attention import Attention
+from thinkspec.layers.forward_context import AttentionMetadata, forward_context
+from thinkspec.utils import logger
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+@torch.inference_mode()
+def profile_run(
+    model: nn.Module, *, num_tokens: int, max_model_len: int, num_seqs: int, vocab_size: int
+) -> None:
+    """A forward of `num_tokens` tokens as whole prompts (no KV pool yet), plus logits for up to
+    `num_seqs` rows, to measure peak activation memory."""
+    param = next(model.parameters())
+    lens: list[int] = []
+    remaining = num_tokens
+    while remaining > 0:
+        lens.append(min(remaining, max_model_len))
+        remaining -= lens[-1]
+    device = param.device
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.full((len(lens), 1), -1, dtype=torch.int32, device=device),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    input_ids = torch.randint(0, vocab_size, (num_tokens,), device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    with forward_context(meta):
+        hidden = model(input_ids, positions)
+    rows = torch.arange(min(num_seqs, num_tokens), device=device)
+    logits = model.compute_logits(hidden[rows])
+    logits.sort(dim=-1)  # the sampler's largest temporary
+    del hidden, logits
+
+
+def determine_kv_cache_memory(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    kv_cache_memory: int | None,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    vocab_size: int,
+) -> int:
+    """Bytes available for KV pools (see the module docstring); raises ValueError when none is left."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_run(
+        model,
+        num_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        num_seqs=max_num_seqs,
+        vocab_size=vocab_size,
+    )
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))  # CUDA context, others
+    available = int(gpu_memory_utilization * total) - peak - outside_torch
+    logger.info(
+        "KV memory: total %.2f GiB x %.2f - peak %.2f GiB - non-torch %.2f GiB = %.2f GiB",
+        total / 2**30, gpu_memory_utilization, peak / 2**30, outside_torch / 2**30, available / 2**30,
+    )  # fmt: skip
+    if available <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
+            f"(model + activations use {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB); raise it "
+            "or lower max_num_batched_tokens"
+        )
+    return available
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        layers = attention_layers(model)
+        if not layers:
+            raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
+        # [2, L, num_blocks, block_size, Hkv, D] model dtype; zeros so unwritten slots are finite.
+        self.kv_cache = torch.zeros(
+            2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        for i, layer in enumerate(layers):
+            if (layer.num_kv_heads, layer.head_dim) != (num_kv_heads, head_dim):
+                raise ValueError(
+                    f"attention layer {i} has {layer.num_kv_heads} kv heads x {layer.head_dim}, "
+                    f"expected {num_kv_heads} x {head_dim}"
+                )
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        self._pin = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.int64)
+        self._copy_done = torch.cuda.Event() if self._pin else None  # guards reuse of self._host
+
+    def prepare_inputs(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        num_logits: Seq[int],
+        input_token_ids: Seq[Seq[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Pack the ragged batch with one host->device copy.
+
+        Sequence i feeds num_new_tokens[i] tokens at positions num_computed_tokens ... +n-1 (the
+        tokens are seq.token_ids there, or input_token_ids[i] when given) and wants logits for its
+        last num_logits[i] rows.
+        Returns input_ids [T] int64, positions [T] int64, metadata, logits_indices [N] int64.
+        """
+        bs = self.block_size
+        num_seqs = len(seqs)
+        total = int(sum(num_new_tokens))
+        num_rows = int(sum(num_logits))
+        width = max(len(s.block_table) for s in seqs)
+        sizes = (total, total, total, num_rows, num_seqs + 1, num_seqs, num_seqs * width)
+        offsets = np.cumsum((0, *sizes))
+        buf = self._host_buffer(int(offsets[-1]))
+        host = buf.numpy()
+        ids_h, pos_h, slot_h, rows_h, qsl_h, lens_h, table_h = (
+            host[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
+        )
+        table_h = table_h.reshape(num_seqs, width) if num_seqs else table_h
+        table_h.fill(-1)
+        qsl_h[0] = 0
+        t = r = 0
+        for i, (seq, n, k) in enumerate(zip(seqs, num_new_tokens, num_logits)):
+            start = seq.num_computed_tokens
+            end = start + n
+            if n < 1 or not 0 <= k <= n:
+                raise ValueError(f"sequence {seq.request_id!r}: num_new_tokens={n}, num_logits={k}")
+            if len(seq.block_table) * bs < end:
+                raise RuntimeError(f"sequence {seq.request_id!r} has no KV slots for positions up to {end}")
+            tokens = seq.token_ids[start:end] if input_token_ids is None else input_token_ids[i]
+            if len(tokens) != n:
+                raise ValueError(f"sequence {seq.request_id!r}: {len(tokens)} input tokens for {n} positions")
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos = np.arange(start, end, dtype=np.int64)
+            ids_h[t : t + n] = tokens
+            pos_h[t : t + n] = pos
+            slot_h[t : t + n] = table[pos // bs] * bs + pos % bs
+            rows_h[r : r + k] = np.arange(t + n - k, t + n)
+            table_h[i, : len(table)] = table
+            t += n
+            r += k
+            qsl_h[i + 1] = t
+            lens_h[i] = end
+        if self._copy_done is not None:
+            dev = buf[: offsets[-1]].to(self.device, non_blocking=True)
+            self._copy_done.record()
+        else:
+            dev = buf[: offsets[-1]]
+        parts = [dev[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        meta = AttentionMetadata(
+            query_start_loc=parts[4].to(torch.int32),
+            seq_lens=parts[5].to(torch.int32),
+            slot_mapping=parts[2],
+            block_tables=parts[6].view(num_seqs, width).to(torch.int32),
+            max_query_len=int(max(num_new_tokens)),
+            max_seq_len=int(lens_h.max()),
+        )
+        return parts[0], parts[1], meta, parts[3]
+
+    @torch.inference_mode()
+    def execute_model(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        num_logits: Seq[int],
+        input_token_ids: Seq[Seq[int]] | None = None,
+    ) -> torch.Tensor:
+        """Forward the batch, write its K/V into the pool, return logits [N, V] float32 for the
+        selected rows (sequence after sequence, N = sum(num_logits))."""
+        if not seqs:
+            raise ValueError("execute_model needs at least one sequence")
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(
+            seqs, num_new_tokens, num_logits, input_token_ids
+        )
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)  # [T, H]
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        # Reused across steps: wait until the previous step's non_blocking copy has read it.
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        if self._host.numel() < size:
+            size = max(size, 2 * self._host.numel())
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+        return self._host

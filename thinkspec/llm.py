@@ -1,0 +1,178 @@
+"""`LLM`: offline batch generation in vLLM's shape."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from thinkspec.engine.engine import EngineConfig, LLMEngine, PromptType
+from thinkspec.outputs import RequestOutput
+from thinkspec.sampling_params import SamplingParams
+from thinkspec.utils import logger
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """A model plus engine for offline generation.
+
+    LLM(model, tokenizer=None, dtype="auto", device="auto", max_model_len=None, max_num_seqs=64,
+        max_num_batched_tokens=2048, block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=None,
+        enable_prefix_caching=True, seed=0, reasoning_parser=None)
+
+    See EngineConfig for the meaning of each setting. A request whose prompt cannot run (longer
+    than max_model_len or the KV pool, empty, bad token ids) fails alone: its RequestOutput has
+    `error` set and finish_reason "error"; the other requests complete.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        reasoning_parser: str | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            tokenizer=None if tokenizer is None else str(tokenizer),
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            reasoning_parser=reasoning_parser,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._request_counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p,
+        top_k), as vLLM does; plain SamplingParams() when there are none."""
+        info = self.llm_engine.model_info
+        names = ("temperature", "top_p", "top_k")
+        kwargs = {k: getattr(info, k) for k in names if getattr(info, k) is not None}
+        return SamplingParams(**kwargs)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list: strings, token-id lists, or {"prompt_token_ids": [...]}
+        dicts. sampling_params: one for all, or one per prompt. Returns outputs in input order."""
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
+        them, through the tokenizer's chat template with add_generation_prompt=True."""
+        tokenizer = self.get_tokenizer()
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; use generate() with a formatted prompt")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
+            # The template already wrote any special tokens; encoding must not add more.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        engine = self.llm_engine
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, sp in zip(prompts, params):
+            request_id = str(self._request_counter)
+            self._request_counter += 1
+            order.append(request_id)
+            try:
+                engine.add_request(prompt, sp, request_id)
+            except ValueError as e:
+                text = prompt if isinstance(prompt, str) else None
+                ids: list[int] = []
+                if isinstance(prompt, Mapping):
+                    text = prompt.get("prompt")
+                    ids = list(prompt.get("prompt_token_ids") or [])
+                elif isinstance(prompt, (list, tuple)):
+                    ids = list(prompt)
+                logger.warning("request %s failed: %s", request_id, e)
+                results[request_id] = engine.error_output(request_id, text, ids, str(e))
+        self._drive(results, len(order), use_tqdm and len(order) > 1)
+        return [results[r] for r in order]
+
+    def _drive(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        engine = self.llm_engine
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, initial=len(results))
+        start = time.perf_counter()
+        in_tokens = out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    results[out.request_id] = out
+                    in_tokens += len(out.prompt_token_ids)
+                    out_tokens += len(out.outputs[0].token_ids)
+                    if bar is not None:
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(
+                            f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                            f"output: {out_tokens / elapsed:.2f} toks/s"
+                        )
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
