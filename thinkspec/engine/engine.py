@@ -238,6 +238,7 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, commit. Returns outputs of requests that produced
         tokens or finished this step (cumulative text and token ids)."""
