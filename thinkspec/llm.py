@@ -60,7 +60,6 @@ class LLM:
             reasoning_parser=reasoning_parser,
         )
         self.llm_engine = LLMEngine(config)
-        self._request_counter = 0
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -131,8 +130,7 @@ class LLM:
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         for prompt, sp in zip(prompts, params):
-            request_id = str(self._request_counter)
-            self._request_counter += 1
+            request_id = engine.next_request_id()
             order.append(request_id)
             try:
                 engine.add_request(prompt, sp, request_id)

@@ -180,7 +180,7 @@ class LLMEngine:
     ) -> str:
         """Queue one request; returns its id. Raises ValueError for a prompt the engine cannot run
         (too long for max_model_len or the KV pool, empty, token ids outside the vocabulary)."""
-        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        request_id = self.next_request_id() if request_id is None else request_id
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -189,6 +189,9 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(seq)
         return request_id
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) for a string, a token-id list or a vLLM-style dict."""

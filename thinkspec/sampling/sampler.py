@@ -49,14 +49,24 @@ class SamplingTensors:
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingTensors:
         greedy = [p.is_greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        # One host->device copy: rows temperature, top_k, top_p, min_p, greedy as float64
+        # (exact for every int top_k a vocabulary can have).
+        packed = torch.tensor(
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                top_k,
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                greedy,
+            ],
+            dtype=torch.float64,
+        ).to(device, non_blocking=True)
         return cls(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32
-            ).to(device),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device),
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            temperature=packed[0].float(),
+            top_k=packed[1].long(),
+            top_p=packed[2].float(),
+            min_p=packed[3].float(),
+            greedy=packed[4].bool(),
             all_greedy=all(greedy),
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p.top_p < 1.0 for p in params),
