@@ -249,7 +249,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("the scheduler could not fit any request in the KV pool")
+                raise RuntimeError(
+                    f"no request fits the KV pool ({self.block_manager.num_free_blocks} of "
+                    f"{self.block_manager.num_blocks} blocks free)"
+                )
             return outputs
         sample_mask = sched.sample_mask()
         num_logits = [int(m) for m in sample_mask]
@@ -271,10 +274,12 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             params = seq.sampling_params
             if seq.num_output_tokens < params.min_tokens:
-                ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+                ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
                 logits[i, sorted(t for t in ids if t < logits.shape[1])] = -math.inf
 
     def make_output(self, seq: Sequence) -> RequestOutput:
+        """Cumulative output of seq. reasoning_content / content are filled once it is finished
+        (streaming consumers split deltas themselves with the parser's ReasoningStream)."""
         completion = CompletionOutput(
             index=0,
             text=seq.output_text,
