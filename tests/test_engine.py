@@ -11,7 +11,13 @@ from checkpoints import LLAMA3_ROPE, THINK_ID, hf_logits, tiny_checkpoint
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.engine import EngineConfig, LLMEngine
-from thinkspec.engine.model_runner import ModelRunner
+from thinkspec.engine.model_runner import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    ModelRunner,
+    determine_kv_cache_memory,
+    kv_cache_bytes_per_block,
+    profile_run,
+)
 from thinkspec.engine.sequence import Sequence
 from thinkspec.models import load_model
 
@@ -155,6 +161,25 @@ def test_model_runner_logits_match_hf_for_chunks_and_multi_row(arch, kw):
     bm.deallocate(a)
     bm.deallocate(b)
     assert bm.num_free_blocks == 32
+
+
+def test_profile_run_and_kv_memory_budget_on_cpu():
+    path = tiny_checkpoint("qwen3", tied=False)
+    model, info = load_model(path)
+    # The GPU memory profile's forward: whole prompts with no KV pool yet, split at max_model_len.
+    profile_run(model, num_tokens=40, max_model_len=16, num_seqs=4, vocab_size=info.vocab_size)
+    kw = dict(
+        device=torch.device("cpu"),
+        gpu_memory_utilization=0.9,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        max_num_seqs=4,
+        vocab_size=info.vocab_size,
+    )
+    assert determine_kv_cache_memory(model, kv_cache_memory=None, **kw) == DEFAULT_CPU_KV_CACHE_MEMORY
+    assert determine_kv_cache_memory(model, kv_cache_memory=12345, **kw) == 12345
+    assert kv_cache_bytes_per_block(2, 4, 2, 32, torch.float32) == bytes_per_block(path, 4)
+    assert kv_cache_bytes_per_block(2, 4, 2, 32, torch.bfloat16) == bytes_per_block(path, 4) // 2
 
 
 def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:
