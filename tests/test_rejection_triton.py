@@ -1,0 +1,423 @@
+"""Triton acceptance kernels against the torch reference.
+
+On CPU the kernels run under the Triton interpreter. Triton reads TRITON_INTERPRET when a kernel is
+decorated, so the interpreter cases run in a child pytest process that sets it
+(`test_kernels_under_interpreter`); run them directly with
+`TRITON_INTERPRET=1 pytest tests/test_rejection_triton.py -k test_interp_`. GPU cases are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not importable")
+
+from scipy.stats import chisquare  # noqa: E402
+
+from thinkspec.sampling import rejection_triton as rt  # noqa: E402
+from thinkspec.sampling.rejection import rejection_sample, rejection_sample_reference  # noqa: E402
+
+NAN = float("nan")
+NEG_INF = float("-inf")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+interp = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of test_kernels_under_interpreter"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreter run")
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+         __file__, "-k", "test_interp_"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+
+
+# ---------------------------------------------------------------- shared input builders
+
+
+def _greedy_batch(gen, b, k, v, *, n=None, integer=True):
+    """Random greedy batch with ties (integer logits), -inf entries and padding rows."""
+    if integer:
+        logits = torch.randint(-3, 4, (b, k + 1, v), generator=gen).float()
+    else:
+        logits = torch.randn(b, k + 1, v, generator=gen)
+    drop = torch.rand(b, k + 1, v, generator=gen) < 0.2
+    drop[..., 0] = False  # at least one finite entry per row
+    logits[drop] = NEG_INF
+    drafts = torch.where(
+        torch.rand(b, k, generator=gen) < 0.6,
+        logits[:, :k].argmax(-1),
+        torch.randint(0, v, (b, k), generator=gen),
+    )
+    if n is None:
+        n = torch.randint(0, k + 1, (b,), generator=gen)
+    for r in range(b):  # padding: garbage ids and NaN rows past num_draft_tokens
+        drafts[r, int(n[r]) :] = -1
+        logits[r, int(n[r]) + 1 :] = NAN
+    return dict(
+        target_logits=logits,
+        draft_token_ids=drafts,
+        num_draft_tokens=n,
+        relax_mask=torch.rand(b, k, generator=gen) < 0.7,
+        temperature=torch.zeros(b),
+        relax_ratio=torch.tensor([0.0, 0.1, 0.3, 0.5, 0.9, 1.0])[torch.randint(0, 6, (b,), generator=gen)],
+        relax_top_k=torch.randint(1, 5, (b,), generator=gen),
+        relax_delta=torch.tensor([NAN, 0.0, 0.05, 0.2, 0.5, 1.0])[torch.randint(0, 6, (b,), generator=gen)],
+    )
+
+
+def _assert_same(a, b, rows=None, b_rows=None):
+    """Results a[rows] and b[b_rows] (b_rows defaults to rows) are identical."""
+    rows = slice(None) if rows is None else rows
+    b_rows = rows if b_rows is None else b_rows
+    rows, b_rows = (r.cpu() if isinstance(r, torch.Tensor) else r for r in (rows, b_rows))
+    for name in ("output_token_ids", "num_accepted", "relaxed_accepted"):
+        assert torch.equal(getattr(a, name).cpu()[rows], getattr(b, name).cpu()[b_rows]), name
+
+
+def _check_structure(res, kw):
+    out, acc = res.output_token_ids.cpu(), res.num_accepted.cpu()
+    drafts, n = kw["draft_token_ids"].cpu(), kw["num_draft_tokens"].cpu()
+    v = kw["target_logits"].shape[-1]
+    for r in range(out.shape[0]):
+        j = int(acc[r])
+        assert 0 <= j <= int(n[r])
+        assert out[r, :j].tolist() == drafts[r, :j].tolist()
+        assert 0 <= int(out[r, j]) < v
+        assert (out[r, j + 1 :] == -1).all()
+        assert not res.relaxed_accepted[r, j:].any()
+
+
+# ---------------------------------------------------------------- interpreter (CPU) cases
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    # Tiny tiles so small vocabularies still span several tiles per row.
+    monkeypatch.setattr(rt, "MAX_TILE", 8)
+
+
+@interp
+@pytest.mark.parametrize("k, v", [(1, 1), (3, 5), (4, 37)])
+def test_interp_greedy_matches_reference(small_tiles, k, v):
+    gen = torch.Generator().manual_seed(100 * k + v)
+    kw = _greedy_batch(gen, 10, k, v)
+    _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
+
+
+@interp
+def test_interp_greedy_strict_equals_argmax_and_all_greedy_flag(small_tiles):
+    gen = torch.Generator().manual_seed(5)
+    kw = _greedy_batch(gen, 8, 3, 19, integer=False)
+    kw["relax_mask"][:] = False
+    res = rt.rejection_sample_triton(**kw, all_greedy=True)
+    _assert_same(res, rejection_sample_reference(**kw))
+    assert not res.relaxed_accepted.any()
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interp_half_logits(small_tiles, dtype):
+    gen = torch.Generator().manual_seed(9)
+    kw = _greedy_batch(gen, 6, 2, 21)
+    kw["target_logits"] = kw["target_logits"].to(dtype)
+    _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
+
+
+@interp
+def test_interp_zero_drafts_and_k0(small_tiles):
+    logits = torch.tensor([[[0.0, 2.0, 2.0, 1.0, NEG_INF, 2.0, 0.5, 0.0, 1.0, 2.0]]])  # [1, 1, 10], K = 0
+    kw = dict(
+        target_logits=logits, draft_token_ids=torch.zeros(1, 0, dtype=torch.long),
+        num_draft_tokens=torch.zeros(1, dtype=torch.long), relax_mask=torch.zeros(1, 0, dtype=torch.bool),
+        temperature=torch.zeros(1), relax_ratio=torch.ones(1), relax_top_k=torch.ones(1, dtype=torch.long),
+        relax_delta=torch.full((1,), NAN),
+    )  # fmt: skip
+    res = rt.rejection_sample_triton(**kw)
+    assert res.output_token_ids.tolist() == [[1]] and res.num_accepted.tolist() == [0]
+    kw["temperature"] = torch.ones(1)
+    res = rt.rejection_sample_triton(**kw, seeds=torch.tensor([3]))
+    assert res.num_accepted.tolist() == [0] and 0 <= int(res.output_token_ids[0, 0]) < 10
+    assert int(res.output_token_ids[0, 0]) != 4  # -inf token
+
+
+def _sampled_batch(gen, b, k, v):
+    kw = _greedy_batch(gen, b, k, v, integer=False)
+    kw["temperature"] = torch.rand(b, generator=gen) + 0.5
+    kw["temperature"][::3] = 0.0  # every third request greedy
+    kw["draft_probs"] = torch.softmax(torch.randn(b, k, v, generator=gen), -1)
+    return kw
+
+
+@interp
+@pytest.mark.parametrize("with_q", [True, False])
+def test_interp_mixed_batch(small_tiles, with_q):
+    gen = torch.Generator().manual_seed(21 + with_q)
+    kw = _sampled_batch(gen, 9, 3, 13)
+    if not with_q:
+        kw["draft_probs"] = None
+    seeds = torch.arange(9) * 7919
+    res = rt.rejection_sample_triton(**kw, seeds=seeds, seed_offset=5)
+    greedy = kw["temperature"] == 0
+    _assert_same(res, rejection_sample_reference(**kw), rows=greedy)
+    _check_structure(res, kw)
+    # Deterministic per seed, and independent of the rest of the batch.
+    again = rt.rejection_sample_triton(**kw, seeds=seeds, seed_offset=5)
+    _assert_same(res, again)
+    perm = torch.tensor([4, 2, 7])
+    sub = {name: (t[perm] if t is not None else None) for name, t in kw.items()}
+    _assert_same(rt.rejection_sample_triton(**sub, seeds=seeds[perm], seed_offset=5), res, b_rows=perm)
+
+
+@interp
+def test_interp_sampled_deterministic_cases(small_tiles):
+    b, k, v = 6, 2, 12
+    logits = torch.full((b, k + 1, v), NEG_INF)
+    logits[:, :, 3] = 1.0  # p = one_hot(3) on every row
+    logits[:, 2, 9] = 0.0  # row 2 (bonus of request 1 when both drafts accepted) has two tokens
+    drafts = torch.tensor([[3, 3], [5, 3], [3, 3], [3, 3], [3, 3], [3, 3]])
+    kw = dict(
+        target_logits=logits, draft_token_ids=drafts, num_draft_tokens=torch.tensor([2, 2, 1, 0, 2, 1]),
+        relax_mask=torch.zeros(b, k, dtype=torch.bool), temperature=torch.full((b,), 0.7),
+        relax_ratio=torch.zeros(b), relax_top_k=torch.full((b,), v), relax_delta=torch.full((b,), NAN),
+    )  # fmt: skip
+    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(b))
+    out = res.output_token_ids
+    # p(d) = 1 = q(d): always accepted. Request 1 drafts 5 (p = 0): rejected, residual = p -> 3.
+    assert res.num_accepted.tolist() == [2, 0, 1, 0, 2, 1]
+    assert out[1].tolist() == [3, -1, -1]
+    assert out[2].tolist() == [3, 3, -1] and out[3].tolist() == [3, -1, -1] and out[5].tolist() == [3, 3, -1]
+    assert int(out[0, 2]) in (3, 9) and int(out[4, 2]) in (3, 9)
+    assert not res.relaxed_accepted.any()
+    # Relaxation on with ratio 0, top_k V: a draft with p(d) > 0 always passes; -inf drafts never do.
+    logits[:, :, 7] = -5.0
+    drafts[:, 0] = torch.tensor([7, 5, 7, 7, 7, 7])
+    kw["relax_mask"][:] = True
+    kw["draft_probs"] = torch.full((b, k, v), 1.0 / v)
+    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(b))
+    assert res.num_accepted.tolist() == [2, 0, 1, 0, 2, 1]
+    assert res.output_token_ids[:, 0].tolist() == [7, 3, 7, 3, 7, 7]
+    # p(7) < q(7) = 1/12, so the relaxed acceptances are flagged; p(3) > q(3) are not.
+    assert res.relaxed_accepted.tolist() == [[True, False], [False, False], [True, False], [False, False],
+                                             [True, False], [True, False]]  # fmt: skip
+
+
+@interp
+@pytest.mark.parametrize("with_q", [False, True])
+def test_interp_residual_excludes_rejected_mass(small_tiles, with_q):
+    # p = 1/2 on tokens 3 and 9 (different tiles); draft 3. On rejection the residual max(0, p - q)
+    # has mass on 9 only, so a rejected request must emit 9.
+    b, v = 16, 12
+    logits = torch.full((b, 2, v), NEG_INF)
+    logits[:, :, 3] = 0.0
+    logits[:, :, 9] = 0.0
+    q = torch.zeros(b, 1, v)
+    q[:, 0, 3], q[:, 0, 9] = (1.0, 0.0) if not with_q else (0.8, 0.2)
+    kw = dict(
+        target_logits=logits, draft_token_ids=torch.full((b, 1), 3),
+        num_draft_tokens=torch.ones(b, dtype=torch.long),
+        relax_mask=torch.zeros(b, 1, dtype=torch.bool), temperature=torch.ones(b), relax_ratio=torch.ones(b),
+        relax_top_k=torch.ones(b, dtype=torch.long), relax_delta=torch.full((b,), NAN),
+        draft_probs=q if with_q else None,
+    )  # fmt: skip
+    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(b) + 1000)
+    rejected = res.num_accepted == 0
+    assert 0 < int(rejected.sum()) < b
+    assert (res.output_token_ids[rejected, 0] == 9).all()
+    assert (res.output_token_ids[~rejected, 0] == 3).all()
+    bonus = res.output_token_ids[~rejected, 1].tolist()
+    assert set(bonus) <= {3, 9}
+
+
+@interp
+def test_interp_dispatch_and_validate(small_tiles):
+    gen = torch.Generator().manual_seed(2)
+    kw = _greedy_batch(gen, 4, 2, 9)
+    _assert_same(rejection_sample(**kw, use_triton=True), rejection_sample_reference(**kw))
+    kw["target_logits"][0, 0, 0] = NAN
+    kw["num_draft_tokens"][0] = 1
+    kw["draft_token_ids"][0, 0] = 0
+    with pytest.raises(ValueError, match="NaN"):
+        rt.rejection_sample_triton(**kw, validate=True)
+    kw["target_logits"][0, :2] = 0.0
+    with pytest.raises(ValueError, match="all_greedy"):
+        rt.rejection_sample_triton(**{**kw, "temperature": torch.ones(4)}, all_greedy=True, validate=True)
+
+
+# ---------------------------------------------------------------- GPU cases (real sizes)
+
+gpu = pytest.mark.gpu
+
+
+def _near_boundary(kw) -> torch.Tensor:
+    """[B] bool: requests whose relaxed test at a used position is within rounding of a threshold."""
+    x = kw["target_logits"].double().cpu()
+    b, k1, v = x.shape
+    k = k1 - 1
+    t = kw["temperature"].double().cpu()
+    x = x / torch.where(t == 0, 1.0, t)[:, None, None]
+    m = x.amax(-1)
+    lse = torch.logsumexp(x, -1)
+    d = kw["draft_token_ids"].cpu().clamp(0, v - 1)
+    xd = x[:, :k].gather(-1, d[..., None])[..., 0]
+    used = torch.arange(k)[None] < kw["num_draft_tokens"].cpu()[:, None]
+    ratio = torch.exp(xd - m[:, :k]) - kw["relax_ratio"].double().cpu()[:, None]
+    pmax_minus_pd = torch.exp(m[:, :k] - lse[:, :k]) - torch.exp(xd - lse[:, :k])
+    delta = pmax_minus_pd - kw["relax_delta"].double().cpu()[:, None]
+    near = (ratio.abs() < 1e-5) & (ratio != 0)
+    near |= (delta.abs() < 1e-5).nan_to_num(False) & (xd != m[:, :k])
+    return (near & used).any(-1)
+
+
+def _cuda(kw):
+    return {name: (t.cuda() if isinstance(t, torch.Tensor) else t) for name, t in kw.items()}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, v", [(1, 1), (2, 7), (4, 1000), (8, 32000), (16, 151936), (3, 262144)])
+def test_gpu_greedy_matches_reference(dtype, k, v):
+    gen = torch.Generator().manual_seed(k * 1_000_003 + v)
+    b = 24 if v < 100_000 else 6
+    kw = _greedy_batch(gen, b, k, v)
+    kw["target_logits"] = kw["target_logits"].to(dtype)
+    want = rejection_sample_reference(**kw)
+    got = rejection_sample(**_cuda(kw))
+    assert got.output_token_ids.is_cuda
+    keep = ~_near_boundary(kw)
+    assert keep.float().mean() > 0.8
+    _assert_same(got, want, rows=keep)
+
+
+@gpu
+@pytest.mark.parametrize("v", [50, 151936])
+def test_gpu_mixed_batch_and_seeds(v):
+    gen = torch.Generator().manual_seed(v)
+    kw = _sampled_batch(gen, 12, 5, v)
+    want = rejection_sample_reference(**kw)
+    kwc = _cuda(kw)
+    seeds = torch.arange(12, device="cuda") * 31
+    res = rejection_sample(**kwc, seeds=seeds, seed_offset=2)
+    greedy = kw["temperature"] == 0
+    keep = greedy & ~_near_boundary(kw)
+    _assert_same(res, want, rows=keep)
+    _check_structure(res, kw)
+    _assert_same(res, rejection_sample(**kwc, seeds=seeds, seed_offset=2))
+    perm = torch.tensor([11, 3, 4])
+    sub = {name: t[perm.to(t.device)] for name, t in kwc.items()}
+    _assert_same(rejection_sample(**sub, seeds=seeds[perm.cuda()], seed_offset=2), res, b_rows=perm.cuda())
+
+
+N_GPU = 400_000
+
+
+def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples.cpu(), minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "sampled a token of probability 0"
+    keep = probs > 0
+    return float(chisquare(counts[keep].numpy(), (probs[keep] * samples.numel()).numpy()).pvalue)
+
+
+def _pi(p, q, relaxed):
+    acc = torch.where(relaxed | (q == 0), torch.ones_like(p), torch.clamp(p / q, max=1.0))
+    residual = (p - q).clamp_min(0)
+    residual /= residual.sum()
+    return q * acc + (q * (1 - acc)).sum() * residual
+
+
+@gpu
+@pytest.mark.parametrize("relax", [False, True])
+@pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_sampling_distributions(relax, logit_dtype):
+    temp, ratio, top_k, v = 0.8, 0.15, 3, 6
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(v, generator=gen)
+    logits[v - 1] = NEG_INF
+    logits = logits.to(logit_dtype).float()  # the exact values the kernel sees
+    p = torch.softmax(logits.double() / temp, -1)
+    q = torch.rand(v, generator=gen).double() * 0.1 + 0.05
+    q[1] += 0.5
+    q /= q.sum()
+    x = logits.double() / temp
+    rank = (x[None, :] > x[:, None]).sum(-1)
+    relaxed = (x > NEG_INF) & (rank < top_k) & (torch.exp(x - x.max()) >= ratio) & relax
+    want = _pi(p, q, relaxed) if relax else p
+    n = N_GPU
+    drafts = torch.multinomial(q.float(), n, replacement=True, generator=gen)
+    kw = dict(
+        target_logits=logits.to(logit_dtype).cuda().expand(n, 2, v), draft_token_ids=drafts.cuda()[:, None],
+        num_draft_tokens=torch.ones(n, dtype=torch.long, device="cuda"),
+        relax_mask=torch.full((n, 1), relax, device="cuda"),
+        temperature=torch.full((n,), temp, device="cuda"),
+        relax_ratio=torch.full((n,), ratio, device="cuda"),
+        relax_top_k=torch.full((n,), top_k, dtype=torch.long, device="cuda"),
+        relax_delta=torch.full((n,), NAN, device="cuda"),
+        draft_probs=q.float().cuda().expand(n, 1, v).contiguous(),
+    )  # fmt: skip
+    res = rejection_sample(**kw, generator=torch.Generator(device="cuda").manual_seed(7))
+    assert _chi2_pvalue(res.output_token_ids[:, 0], want) > 1e-4
+    if relax:
+        assert _chi2_pvalue(res.output_token_ids[:, 0], p) < 1e-12
+    # Bonus rows (all drafts accepted) come from row 1, which equals row 0 here: also ~ p.
+    bonus = res.output_token_ids[res.num_accepted == 1, 1]
+    assert _chi2_pvalue(bonus, p) > 1e-4
+
+
+@gpu
+def test_gpu_large_vocab_race_spans_tiles():
+    # Six finite tokens spread over a 262,144 vocabulary: the race must combine tiles correctly.
+    v, n, temp = 262144, 100_000, 1.0
+    ids = torch.tensor([5, 9000, 70000, 140000, 200001, 262143])
+    vals = torch.tensor([0.3, -1.0, 1.2, 0.0, 0.8, -0.4])
+    row = torch.full((v,), NEG_INF)
+    row[ids] = vals
+    p_small = torch.softmax(vals.double() / temp, -1)
+    d = 70000  # one-hot draft on the most likely token: residual excludes it
+    kw = dict(
+        target_logits=row.cuda().expand(n, 2, v), draft_token_ids=torch.full((n, 1), d, device="cuda"),
+        num_draft_tokens=torch.ones(n, dtype=torch.long, device="cuda"),
+        relax_mask=torch.zeros(n, 1, dtype=torch.bool, device="cuda"),
+        temperature=torch.full((n,), temp, device="cuda"), relax_ratio=torch.ones(n, device="cuda"),
+        relax_top_k=torch.ones(n, dtype=torch.long, device="cuda"),
+        relax_delta=torch.full((n,), NAN, device="cuda"),
+    )  # fmt: skip
+    res = rejection_sample(**kw, seeds=torch.arange(n, device="cuda"))
+    first = res.output_token_ids[:, 0].cpu()
+    assert torch.isin(first, ids).all()
+    pos = torch.searchsorted(ids, first)
+    assert _chi2_pvalue(pos, p_small) > 1e-4  # lossless: the emitted token ~ p
+    acc = (res.num_accepted == 1).float().mean().item()
+    assert abs(acc - float(p_small[2])) < 5 / math.sqrt(n)
+
+
+@gpu
+def test_gpu_cuda_graph_capture():
+    gen = torch.Generator().manual_seed(4)
+    kw = _cuda(_sampled_batch(gen, 16, 4, 5000))
+    seeds = torch.arange(16, device="cuda")
+    static = {name: t.clone() for name, t in kw.items()}
+    eager = rejection_sample(**static, seeds=seeds)  # compiles the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rejection_sample(**static, seeds=seeds)
+    graph.replay()
+    _assert_same(captured, eager)
+    fresh = _cuda(_sampled_batch(torch.Generator().manual_seed(5), 16, 4, 5000))
+    for name, t in fresh.items():
+        static[name].copy_(t)
+    graph.replay()
+    _assert_same(captured, rejection_sample(**fresh, seeds=seeds))

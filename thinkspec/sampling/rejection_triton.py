@@ -1,0 +1,379 @@
+"""Fused Triton kernels for `rejection_sample` (same contract as the torch reference in rejection.py).
+
+Launches, all with grids fixed by (B, K, V) so a round can be CUDA-graph captured (no host sync):
+  1. _row_stats_kernel    grid (B*(K+1), NC)  one vocabulary tile per program: tile max, its lowest
+                          index, #{v : x[v] > x[d]} and, when the row needs it (sampled request or
+                          relax_delta set), sum exp(x - tile max). x[d] is read directly by index.
+  2. _accept_kernel       grid (B,)           reduces the NC partials of each row, runs the
+                          accept/first-reject logic and writes every output; greedy requests are done.
+  3. _race_kernel         grid (B, NC)        sampled requests only: exponential race over the
+                          emitting row, argmax_v r(v) / E_v with E_v ~ Exp(1) from a counter-based
+                          RNG, r = max(0, p - q) (residual) or p (bonus); no normalised copy is made.
+  4. _race_reduce_kernel  grid (B,)           picks the race winner across tiles.
+Launches 3-4 are skipped when the caller promises `all_greedy=True`.
+
+Randomness is keyed by (seed of the request, seed_offset, row, token) through Philox, so a request's
+result depends only on its own inputs and seed; without `seeds` one seed per request is drawn from
+`generator`. Under CUDA-graph replay, keep `seed_offset` fixed and advance `seeds` in place.
+Values are not checked unless `validate=True` (that check syncs); NaN or +inf in a used row then
+gives unspecified tokens instead of an error.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, check_values
+
+# Vocabulary tile per program: large enough to keep many loads in flight per program, small enough
+# that B*(K+1) rows x V/TILE tiles fill every SM several times over.
+MAX_TILE = 8192
+NUM_WARPS = 8
+_INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,  # [B, K+1, V] float, last dim contiguous
+    stride_lb,
+    stride_lr,
+    draft_ptr,  # [B, K] int64
+    temp_ptr,  # [B] float32
+    delta_ptr,  # [B] float32, NaN = unset
+    pmax_ptr,  # [B*(K+1), NC] float32 out: tile max of x
+    pidx_ptr,  # [B*(K+1), NC] int32 out: lowest index of the tile max
+    pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in tile : x[v] > x[d]} (0 on the bonus row)
+    psum_ptr,  # [B*(K+1), NC] float32 out: sum exp(x - tile max), 1 when not needed
+    V,
+    K,
+    NC,
+    TILE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    b = row // (K + 1)
+    i = row - b * (K + 1)
+    temp = tl.load(temp_ptr + b)
+    delta = tl.load(delta_ptr + b)
+    base = logits_ptr + b.to(tl.int64) * stride_lb + i.to(tl.int64) * stride_lr
+
+    has_draft = i < K
+    d = tl.load(draft_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0)
+    d = tl.minimum(tl.maximum(d, 0), V - 1)
+    xd = tl.load(base + d).to(tl.float32)
+    offs = c * TILE + tl.arange(0, TILE)
+    msk = offs < V
+    x = tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
+    if temp != 0.0:
+        # Division (not multiplication by 1/T) so x matches the reference bit for bit.
+        x = x / temp
+        xd = xd / temp
+    xd = tl.where(has_draft, xd, float("inf"))
+
+    m = tl.max(x, 0)
+    idx = tl.min(tl.where(x == m, offs, _INT32_MAX), 0)
+    cnt = tl.sum((x > xd).to(tl.int32), 0)
+    s = temp * 0.0 + 1.0  # fp32 scalar; 1 keeps the unused log-sum-exp finite
+    if (temp != 0.0) | (delta == delta):
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(tl.exp(x - m_safe), 0)
+    out = row.to(tl.int64) * NC + c
+    tl.store(pmax_ptr + out, m)
+    tl.store(pidx_ptr + out, idx)
+    tl.store(pcnt_ptr + out, cnt)
+    tl.store(psum_ptr + out, s)
+
+
+@triton.jit
+def _reduce_row(pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, row, NC, NC_P2: tl.constexpr):
+    """Row max, its lowest index, log-sum-exp and rank count from the NC tile partials of one row."""
+    offs = tl.arange(0, NC_P2)
+    cm = offs < NC
+    base = row * NC
+    cnt = tl.sum(tl.load(pcnt_ptr + base + offs, mask=cm, other=0), 0)
+    pm = tl.load(pmax_ptr + base + offs, mask=cm, other=float("-inf"))
+    pi = tl.load(pidx_ptr + base + offs, mask=cm, other=_INT32_MAX)
+    ps = tl.load(psum_ptr + base + offs, mask=cm, other=0.0)
+    m = tl.max(pm, 0)
+    g = tl.min(tl.where(pm == m, pi, _INT32_MAX), 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - m_safe)), 0)
+    return m, g, m + tl.log(s), cnt
+
+
+@triton.jit(do_not_specialize=["seed_offset"])
+def _accept_kernel(
+    logits_ptr,  # [B, K+1, V] float
+    stride_lb,
+    stride_lr,
+    draft_ptr,  # [B, K] int64
+    ndraft_ptr,  # [B] int64
+    mask_ptr,  # [B, K] uint8 (relax_mask)
+    temp_ptr,  # [B] float32
+    ratio_ptr,  # [B] float32
+    topk_ptr,  # [B] int64
+    delta_ptr,  # [B] float32
+    q_ptr,  # [B, K, V] float (draft_probs), unused unless HAS_Q
+    seed_ptr,  # [B] int64
+    seed_offset,
+    pmax_ptr,
+    pidx_ptr,
+    pcnt_ptr,
+    psum_ptr,
+    out_ptr,  # [B, K+1] int64 out
+    nacc_ptr,  # [B] int64 out
+    flag_ptr,  # [B, K] uint8 out (relaxed_accepted)
+    emit_lse_ptr,  # [B] float32 out: log-sum-exp of the emitting row, for the race
+    V,
+    K,
+    NC,
+    HAS_Q: tl.constexpr,
+    NC_P2: tl.constexpr,
+    K1_P2: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(ndraft_ptr + b)
+    temp = tl.load(temp_ptr + b)
+    greedy = temp == 0.0
+    ratio = tl.load(ratio_ptr + b)
+    topk = tl.load(topk_ptr + b)
+    delta = tl.load(delta_ptr + b)
+    no_delta = delta != delta
+    seed = tl.load(seed_ptr + b)
+    base = logits_ptr + b * stride_lb
+    offs_k = tl.arange(0, K1_P2)
+    out = tl.full([K1_P2], -1, tl.int64)
+    flags = tl.zeros([K1_P2], tl.int8)
+    # Acceptance uniforms for every position at once: counter (step row, token V) of the request's stream.
+    rows_rng = seed_offset.to(tl.int64) * (K + 1) + offs_k
+    u_all = tl.rand(seed, rows_rng * (V + 1) + V)  # [K1_P2] float32 in [0, 1)
+    num_acc = b * 0  # int64 scalar
+    running = (b * 0 + 1).to(tl.int32)
+    for i in range(0, K):
+        row = b * (K + 1) + i
+        m, g, lse, cnt = _reduce_row(pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, row, NC, NC_P2)
+        d_raw = tl.load(draft_ptr + b * K + i)
+        d = tl.minimum(tl.maximum(d_raw, 0), V - 1)
+        xd = tl.load(base + i * stride_lr + d).to(tl.float32)
+        if temp != 0.0:
+            xd = xd / temp
+        pd = tl.exp(xd - lse)
+        pmax = tl.exp(m - lse)
+        relax_on = tl.load(mask_ptr + b * K + i) != 0
+        relaxed = (
+            relax_on
+            & (xd > float("-inf"))
+            & (cnt.to(tl.int64) < topk)
+            & (tl.exp(xd - m) >= ratio)
+            & (no_delta | (pmax - pd <= delta))
+        )
+        strict = d == g
+        if HAS_Q:
+            qd = tl.load(q_ptr + (b * K + i) * V + d).to(tl.float32)
+        else:
+            qd = 1.0
+        u = tl.sum(tl.where(offs_k == i, u_all, 0.0), 0)
+        lossless = u * qd < pd
+        acc = tl.where(greedy, strict | relaxed, relaxed | lossless) & (i < n) & (running != 0)
+        relaxed_only = tl.where(greedy, d != g, pd < qd)
+        out = tl.where(offs_k == i, tl.where(acc, d_raw, -1), out)
+        flags = tl.where(offs_k == i, (acc & relaxed & relaxed_only).to(tl.int8), flags)
+        num_acc += acc.to(tl.int64)
+        running = running & acc.to(tl.int32)
+
+    # Emitting row j: correction (j < n) or bonus (j == n). Sampled requests get theirs from the race.
+    j = num_acc
+    m, g, lse, _ = _reduce_row(pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, b * (K + 1) + j, NC, NC_P2)
+    out = tl.where(offs_k == j, g.to(tl.int64), out)
+    tl.store(out_ptr + b * (K + 1) + offs_k, out, mask=offs_k < K + 1)
+    tl.store(flag_ptr + b * K + offs_k, flags, mask=offs_k < K)
+    tl.store(nacc_ptr + b, j)
+    tl.store(emit_lse_ptr + b, lse)
+
+
+@triton.jit(do_not_specialize=["seed_offset"])
+def _race_kernel(
+    logits_ptr,  # [B, K+1, V] float
+    stride_lb,
+    stride_lr,
+    draft_ptr,  # [B, K] int64
+    ndraft_ptr,  # [B] int64
+    temp_ptr,  # [B] float32
+    q_ptr,  # [B, K, V] float, unused unless HAS_Q
+    seed_ptr,  # [B] int64
+    seed_offset,
+    nacc_ptr,  # [B] int64
+    emit_lse_ptr,  # [B] float32
+    rbest_ptr,  # [B, NC] float32 out: best residual score in the tile
+    ridx_ptr,  # [B, NC] int32 out
+    pbest_ptr,  # [B, NC] float32 out: best score under p (fallback when the residual is empty)
+    pidx_ptr,  # [B, NC] int32 out
+    V,
+    K,
+    NC,
+    HAS_Q: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    temp = tl.load(temp_ptr + b)
+    if temp > 0.0:
+        j = tl.load(nacc_ptr + b)
+        rejected = j < tl.load(ndraft_ptr + b)
+        lse = tl.load(emit_lse_ptr + b)
+        seed = tl.load(seed_ptr + b)
+        jd = tl.maximum(tl.minimum(j, K - 1), 0)  # draft slot of row j; unused on the bonus row
+        offs = c * TILE + tl.arange(0, TILE)
+        msk = offs < V
+        x = tl.load(logits_ptr + b * stride_lb + j * stride_lr + offs, mask=msk, other=float("-inf"))
+        p = tl.exp(x.to(tl.float32) / temp - lse)
+        if HAS_Q:
+            qmask = offs < tl.where(rejected, V, 0)  # the bonus row has q = 0
+            q = tl.load(q_ptr + (b * K + jd) * V + offs, mask=qmask, other=0.0).to(tl.float32)
+        else:
+            d = tl.load(draft_ptr + b * K + jd, mask=rejected, other=-1)
+            q = tl.where((offs == d) & rejected, 1.0, 0.0)
+        r = tl.maximum(p - q, 0.0)
+        u = tl.rand(seed, (seed_offset.to(tl.int64) * (K + 1) + j) * (V + 1) + offs)
+        e = tl.maximum(-tl.log(u), 1e-30)
+        sr = tl.where(msk, r / e, -1.0)
+        sp = tl.where(msk, p / e, -1.0)
+        br = tl.max(sr, 0)
+        bp = tl.max(sp, 0)
+        out = b * NC + c
+        tl.store(rbest_ptr + out, br)
+        tl.store(ridx_ptr + out, tl.min(tl.where(sr == br, offs, _INT32_MAX), 0))
+        tl.store(pbest_ptr + out, bp)
+        tl.store(pidx_ptr + out, tl.min(tl.where(sp == bp, offs, _INT32_MAX), 0))
+
+
+@triton.jit
+def _race_reduce_kernel(
+    temp_ptr,  # [B] float32
+    nacc_ptr,  # [B] int64
+    rbest_ptr,
+    ridx_ptr,
+    pbest_ptr,
+    pidx_ptr,
+    out_ptr,  # [B, K+1] int64, the emitted slot is overwritten
+    K,
+    NC,
+    NC_P2: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    temp = tl.load(temp_ptr + b)
+    if temp > 0.0:
+        offs = tl.arange(0, NC_P2)
+        cm = offs < NC
+        sr = tl.load(rbest_ptr + b * NC + offs, mask=cm, other=-2.0)
+        ir = tl.load(ridx_ptr + b * NC + offs, mask=cm, other=_INT32_MAX)
+        sp = tl.load(pbest_ptr + b * NC + offs, mask=cm, other=-2.0)
+        ip = tl.load(pidx_ptr + b * NC + offs, mask=cm, other=_INT32_MAX)
+        br = tl.max(sr, 0)
+        bp = tl.max(sp, 0)
+        tok_r = tl.min(tl.where(sr == br, ir, _INT32_MAX), 0)
+        tok_p = tl.min(tl.where(sp == bp, ip, _INT32_MAX), 0)
+        # An all-zero residual only happens when p == q up to rounding; p is then the answer.
+        tok = tl.where(br > 0.0, tok_r, tok_p)
+        j = tl.load(nacc_ptr + b)
+        tl.store(out_ptr + b * (K + 1) + j, tok.to(tl.int64))
+
+
+def _tile(v: int) -> int:
+    return min(MAX_TILE, max(16, triton.next_power_of_2(v)))
+
+
+def _p2(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
+def rejection_sample_triton(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    relax_mask: torch.Tensor,
+    temperature: torch.Tensor,
+    relax_ratio: torch.Tensor,
+    relax_top_k: torch.Tensor,
+    relax_delta: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    seeds: torch.Tensor | None = None,
+    seed_offset: int = 0,
+    all_greedy: bool | None = None,
+    validate: bool = False,
+) -> RejectionResult:
+    """Kernel version of `rejection_sample_reference`; shapes as in `rejection_common`.
+
+    Accepts bf16, fp16 and fp32 logits (computed in fp32). `all_greedy=True` promises every
+    temperature is 0 and skips the sampling launches. With `validate=True` the values are checked
+    as the reference checks them (one sync); otherwise they are trusted.
+    """
+    b, k, v = check_shapes(
+        target_logits, draft_token_ids, num_draft_tokens, relax_mask, temperature, relax_ratio,
+        relax_top_k, relax_delta, draft_probs, seeds,
+    )  # fmt: skip
+    if validate:
+        check_values(
+            target_logits, draft_token_ids, num_draft_tokens, temperature, relax_ratio, relax_top_k,
+            relax_delta, draft_probs,
+        )  # fmt: skip
+        if all_greedy and bool((temperature != 0).any()):
+            raise ValueError("all_greedy=True but some temperature is not 0")
+    dev = target_logits.device
+    logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
+    drafts = draft_token_ids.to(torch.int64).contiguous()
+    ndraft = num_draft_tokens.to(torch.int64).contiguous()
+    mask = relax_mask.contiguous().view(torch.uint8)
+    temp = temperature.to(torch.float32).contiguous()
+    ratio = relax_ratio.to(torch.float32).contiguous()
+    top_k = relax_top_k.to(torch.int64).contiguous()
+    delta = relax_delta.to(torch.float32).contiguous()
+    q = draft_probs.contiguous() if draft_probs is not None else logits  # dummy pointer when absent
+    if seeds is None:
+        if all_greedy:
+            seeds = torch.zeros(b, dtype=torch.int64, device=dev)
+        else:
+            seeds = torch.randint(0, 2**62, (b,), dtype=torch.int64, device=dev, generator=generator)
+    seeds = seeds.contiguous()
+
+    tile = _tile(v)
+    nc = triton.cdiv(v, tile)
+    nc_p2 = _p2(nc)
+    rows = b * (k + 1)
+    pmax = torch.empty(rows * nc, dtype=torch.float32, device=dev)
+    pidx = torch.empty(rows * nc, dtype=torch.int32, device=dev)
+    pcnt = torch.empty(rows * nc, dtype=torch.int32, device=dev)
+    psum = torch.empty(rows * nc, dtype=torch.float32, device=dev)
+    out = torch.empty(b, k + 1, dtype=torch.int64, device=dev)
+    nacc = torch.empty(b, dtype=torch.int64, device=dev)
+    flags = torch.empty(b, k, dtype=torch.uint8, device=dev)
+    emit_lse = torch.empty(b, dtype=torch.float32, device=dev)
+    if b == 0:
+        return RejectionResult(out, nacc, flags.view(torch.bool))
+    s_b, s_r = logits.stride(0), logits.stride(1)
+
+    _row_stats_kernel[(rows, nc)](
+        logits, s_b, s_r, drafts, temp, delta, pmax, pidx, pcnt, psum, v, k, nc,
+        TILE=tile, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    _accept_kernel[(b,)](
+        logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
+        pmax, pidx, pcnt, psum, out, nacc, flags, emit_lse, v, k, nc,
+        HAS_Q=draft_probs is not None, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=1,
+    )  # fmt: skip
+    if not all_greedy:
+        rbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
+        ridx = torch.empty(b * nc, dtype=torch.int32, device=dev)
+        pbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
+        pbidx = torch.empty(b * nc, dtype=torch.int32, device=dev)
+        _race_kernel[(b, nc)](
+            logits, s_b, s_r, drafts, ndraft, temp, q, seeds, seed_offset, nacc, emit_lse,
+            rbest, ridx, pbest, pbidx, v, k, nc,
+            HAS_Q=draft_probs is not None, TILE=tile, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _race_reduce_kernel[(b,)](temp, nacc, rbest, ridx, pbest, pbidx, out, k, nc, NC_P2=nc_p2, num_warps=1)
+    return RejectionResult(output_token_ids=out, num_accepted=nacc, relaxed_accepted=flags.view(torch.bool))
