@@ -1,0 +1,303 @@
+"""Bad input to the OpenAI server: each kind gets its documented 4xx and an OpenAI error object.
+
+In-process (FastAPI TestClient) on a tiny random checkpoint; TestClient re-raises any server
+exception, so a 500 anywhere fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from checkpoints import tiny_checkpoint
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from thinkspec.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from thinkspec.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
+from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
+from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
+
+API_KEY = "sk-test"
+MODEL = "tiny"
+MAX_MODEL_LEN = 96
+MAX_TOKENS_LIMIT = 32
+MAX_BYTES = 4096
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    path = tiny_checkpoint("qwen3", tied=True)
+    config = EngineConfig(
+        model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=MAX_MODEL_LEN
+    )
+    engine = AsyncLLMEngine(LLMEngine(config))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    app = build_app(
+        engine, ServingConfig(MODEL, MAX_TOKENS_LIMIT), api_key=API_KEY, max_request_bytes=MAX_BYTES
+    )
+    return TestClient(app)
+
+
+def chat(**extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+def comp(**extra):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **extra}
+
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+LONG_PROMPT = "x" * (MAX_MODEL_LEN + 10)  # one token per byte in the tiny tokenizer
+
+# (case, method, path, body: dict | bytes | None, headers, status, param, code)
+CASES = [
+    ("malformed JSON", "POST", CHAT, b'{"messages": [', AUTH, 400, None, "invalid_json"),
+    ("NaN literal", "POST", COMP, b'{"prompt": "hi", "temperature": NaN}', AUTH, 400, None, "invalid_json"),
+    ("body not an object", "POST", CHAT, b"[1, 2]", AUTH, 400, None, "invalid_json"),
+    ("missing messages", "POST", CHAT, {"model": MODEL}, AUTH, 400, "messages", "missing"),
+    ("missing prompt", "POST", COMP, {"model": MODEL}, AUTH, 400, "prompt", "missing"),
+    ("messages not a list", "POST", CHAT, chat(messages="hi"), AUTH, 400, "messages", "list_type"),
+    ("empty messages", "POST", CHAT, chat(messages=[]), AUTH, 400, "messages", "too_short"),
+    (
+        "bad role",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "hi"}]),
+        AUTH,
+        400,
+        "messages.0.role",
+        "literal_error",
+    ),
+    (
+        "content of wrong type",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        AUTH,
+        400,
+        "messages.0.content",
+        "string_type",
+    ),
+    ("temperature a string", "POST", CHAT, chat(temperature="0.5"), AUTH, 400, "temperature", "float_type"),
+    ("temperature above 2", "POST", CHAT, chat(temperature=2.5), AUTH, 400, "temperature", "invalid_value"),
+    ("temperature negative", "POST", COMP, comp(temperature=-0.1), AUTH, 400, "temperature", "invalid_value"),
+    ("top_p zero", "POST", CHAT, chat(top_p=0.0), AUTH, 400, "top_p", "invalid_value"),
+    ("top_p above 1", "POST", COMP, comp(top_p=1.5), AUTH, 400, "top_p", "invalid_value"),
+    ("top_k below -1", "POST", CHAT, chat(top_k=-2), AUTH, 400, "top_k", "invalid_value"),
+    ("min_p above 1", "POST", CHAT, chat(min_p=1.5), AUTH, 400, "min_p", "invalid_value"),
+    ("n = 2", "POST", CHAT, chat(n=2), AUTH, 400, "n", "invalid_value"),
+    ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), AUTH, 400, "max_tokens", "invalid_value"),
+    (
+        "max_tokens over limit",
+        "POST",
+        COMP,
+        comp(max_tokens=10_000),
+        AUTH,
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    ("max_tokens a bool", "POST", CHAT, chat(max_tokens=True), AUTH, 400, "max_tokens", "int_type"),
+    (
+        "min_tokens over max_tokens",
+        "POST",
+        CHAT,
+        chat(min_tokens=9),
+        AUTH,
+        400,
+        "min_tokens",
+        "invalid_value",
+    ),
+    ("seed a string", "POST", CHAT, chat(seed="7"), AUTH, 400, "seed", "int_type"),
+    ("stop not a string/list", "POST", CHAT, chat(stop=5), AUTH, 400, "stop", "string_type"),
+    ("stop with an empty string", "POST", COMP, comp(stop=[""]), AUTH, 400, "stop", "invalid_value"),
+    ("stop_token_ids negative", "POST", COMP, comp(stop_token_ids=[-1]), AUTH, 400, "stop_token_ids", None),
+    ("logprobs (chat)", "POST", CHAT, chat(logprobs=True), AUTH, 400, "logprobs", "unsupported"),
+    ("logprobs (completions)", "POST", COMP, comp(logprobs=2), AUTH, 400, "logprobs", "unsupported"),
+    ("echo", "POST", COMP, comp(echo=True), AUTH, 400, "echo", "unsupported"),
+    (
+        "presence_penalty",
+        "POST",
+        CHAT,
+        chat(presence_penalty=0.5),
+        AUTH,
+        400,
+        "presence_penalty",
+        "unsupported",
+    ),
+    ("unknown field", "POST", CHAT, chat(frobnicate=1), AUTH, 400, "frobnicate", "extra_forbidden"),
+    (
+        "stream_options without stream",
+        "POST",
+        CHAT,
+        chat(stream_options={}),
+        AUTH,
+        400,
+        "stream_options",
+        None,
+    ),
+    ("relax_ratio above 1", "POST", CHAT, chat(relax_ratio=1.5), AUTH, 400, "relax_ratio", "invalid_value"),
+    ("relax_ratio a string", "POST", CHAT, chat(relax_ratio="high"), AUTH, 400, "relax_ratio", "float_type"),
+    ("relax_top_k zero", "POST", CHAT, chat(relax_top_k=0), AUTH, 400, "relax_top_k", "invalid_value"),
+    ("relax_top_k above 64", "POST", COMP, comp(relax_top_k=65), AUTH, 400, "relax_top_k", "invalid_value"),
+    ("relax_delta negative", "POST", CHAT, chat(relax_delta=-0.1), AUTH, 400, "relax_delta", "invalid_value"),
+    (
+        "relaxed_thinking not a bool",
+        "POST",
+        CHAT,
+        chat(relaxed_thinking=1),
+        AUTH,
+        400,
+        "relaxed_thinking",
+        None,
+    ),
+    (
+        "chat_template_kwargs not an object",
+        "POST",
+        CHAT,
+        chat(chat_template_kwargs=[1]),
+        AUTH,
+        400,
+        "chat_template_kwargs",
+        "dict_type",
+    ),
+    (
+        "chat_template_kwargs reserved key",
+        "POST",
+        CHAT,
+        chat(chat_template_kwargs={"tokenize": True}),
+        AUTH,
+        400,
+        "chat_template_kwargs",
+        "invalid_value",
+    ),
+    (
+        "prompt too long (completions)",
+        "POST",
+        COMP,
+        comp(prompt=LONG_PROMPT),
+        AUTH,
+        400,
+        "prompt",
+        "invalid_prompt",
+    ),
+    (
+        "prompt too long (chat, streamed)",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": LONG_PROMPT}], stream=True),
+        AUTH,
+        400,
+        "messages",
+        "invalid_prompt",
+    ),
+    ("empty prompt", "POST", COMP, comp(prompt=""), AUTH, 400, "prompt", "invalid_prompt"),
+    ("token id outside vocab", "POST", COMP, comp(prompt=[1, 10**6]), AUTH, 400, "prompt", "invalid_prompt"),
+    ("several prompts", "POST", COMP, comp(prompt=["a", "b"]), AUTH, 400, "prompt", "invalid_value"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-5"), AUTH, 404, "model", "model_not_found"),
+    (
+        "body over the size limit",
+        "POST",
+        CHAT,
+        b"{" + b" " * MAX_BYTES + b"}",
+        AUTH,
+        413,
+        None,
+        "request_too_large",
+    ),
+    ("missing API key", "POST", CHAT, chat(), {}, 401, None, "invalid_api_key"),
+    (
+        "wrong API key",
+        "GET",
+        "/v1/models",
+        None,
+        {"Authorization": "Bearer nope"},
+        401,
+        None,
+        "invalid_api_key",
+    ),
+    (
+        "API key without Bearer",
+        "GET",
+        "/v1/models",
+        None,
+        {"Authorization": API_KEY},
+        401,
+        None,
+        "invalid_api_key",
+    ),
+    ("unknown route", "POST", "/v1/embeddings", chat(), AUTH, 404, None, "not_found"),
+    ("wrong method", "GET", CHAT, None, AUTH, 405, None, "method_not_allowed"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(client, case):
+    _, method, path, body, headers, status, param, code = case
+    kwargs = {"headers": headers}
+    if isinstance(body, bytes):
+        kwargs["content"] = body
+    elif body is not None:
+        kwargs["content"] = json.dumps(body).encode()
+    r = client.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_table_is_large_and_distinct():
+    assert len({c[0] for c in CASES}) == len(CASES) >= 15
+
+
+def test_prompt_too_long_message_names_length_and_limit(client):
+    r = client.post(COMP, json=comp(prompt=LONG_PROMPT), headers=AUTH)
+    message = r.json()["error"]["message"]
+    assert str(len(LONG_PROMPT)) in message and str(MAX_MODEL_LEN) in message
+
+
+def test_streamed_body_over_limit_without_content_length(client):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(MAX_BYTES // 256 + 1):
+            yield b"a" * 256
+        yield b'"}'
+
+    r = client.post(COMP, content=chunks(), headers=AUTH)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_server_still_serves_after_bad_input(client, engine):
+    for case in CASES[:10]:
+        body = case[3]
+        client.request(
+            case[1], case[2], content=body if isinstance(body, bytes) else json.dumps(body), headers=AUTH
+        )
+    r = client.post(CHAT, json=chat(temperature=0.0), headers=AUTH)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert client.get("/health").status_code == 200
+    assert engine.dead_error is None
+
+
+def test_public_routes_need_no_key_and_v1_routes_accept_it(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/metrics").status_code == 200
+    r = client.get("/v1/models", headers=AUTH)
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == [MODEL]

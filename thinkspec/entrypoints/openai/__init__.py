@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server; needs the server extras (pip install 'thinkspec[server]')."""

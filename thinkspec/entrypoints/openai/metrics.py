@@ -1,0 +1,106 @@
+"""Prometheus metrics of one server (one CollectorRegistry per app, so apps do not share series).
+
+Exposed names (prometheus_client appends `_total` to counters):
+
+- thinkspec:request_success_total{finished_reason}   requests finished: stop, length, abort, error
+- thinkspec:prompt_tokens_total / thinkspec:generation_tokens_total
+- thinkspec:num_requests_running / thinkspec:num_requests_waiting   (gauges)
+- thinkspec:kv_blocks_used / thinkspec:kv_blocks_free                (gauges)
+- thinkspec:num_preemptions_total
+- thinkspec:engine_healthy                                            (gauge, 1 or 0)
+- thinkspec:spec_decode_num_drafts_total{phase}
+- thinkspec:spec_decode_num_draft_tokens_total{phase}
+- thinkspec:spec_decode_num_accepted_tokens_total{phase}
+- thinkspec:spec_decode_num_accepted_tokens_per_pos_total{phase,position}
+- thinkspec:spec_decode_num_relaxed_accepted_tokens_total{phase}
+
+phase is "thinking" or "answer". Engine-side values are read from the snapshot the engine thread
+takes after every step, so a scrape never touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from thinkspec.entrypoints.async_engine import AsyncLLMEngine
+from thinkspec.outputs import RequestOutput
+from thinkspec.spec_decode.metrics import PHASES
+
+_SPEC_COUNTERS = (
+    ("num_drafts", "verify steps with at least one draft token"),
+    ("num_draft_tokens", "draft tokens proposed"),
+    ("num_accepted_tokens", "draft tokens accepted"),
+    ("num_relaxed_accepted_tokens", "draft tokens accepted only because of relaxed acceptance"),
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats
+        for name, doc, value in (
+            ("num_requests_running", "requests in the running batch", stats.num_running),
+            ("num_requests_waiting", "requests waiting to be scheduled", stats.num_waiting),
+            ("kv_blocks_used", "KV-cache blocks held by requests", stats.num_kv_blocks_used),
+            ("kv_blocks_free", "KV-cache blocks free (cached prefixes included)", stats.num_kv_blocks_free),
+            (
+                "engine_healthy",
+                "1 while the engine loop runs, 0 after it failed",
+                int(self.engine.is_healthy),
+            ),
+        ):
+            yield GaugeMetricFamily(f"thinkspec:{name}", doc, value=value)
+        yield CounterMetricFamily(
+            "thinkspec:num_preemptions", "requests preempted (recomputed later)", value=stats.num_preemptions
+        )
+
+        spec = stats.spec_metrics
+        for key, doc in _SPEC_COUNTERS:
+            family = CounterMetricFamily(f"thinkspec:spec_decode_{key}", doc, labels=["phase"])
+            for phase in PHASES:
+                family.add_metric([phase], 0 if spec is None else getattr(spec.phase(phase), key))
+            yield family
+        per_pos = CounterMetricFamily(
+            "thinkspec:spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted at each draft position",
+            labels=["phase", "position"],
+        )
+        if spec is not None:
+            for phase in PHASES:
+                for pos, count in enumerate(spec.phase(phase).num_accepted_tokens_per_pos):
+                    per_pos.add_metric([phase, str(pos)], count)
+        yield per_pos
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.request_success = Counter(
+            "thinkspec:request_success",
+            "finished requests by finish reason",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "thinkspec:prompt_tokens", "prompt tokens processed", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "thinkspec:generation_tokens", "tokens generated", registry=self.registry
+        )
+        self.registry.register(_EngineCollector(engine))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Count one request that ended (its last output; aborted requests included)."""
+        completion = out.outputs[0]
+        self.request_success.labels(completion.finish_reason or "abort").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(completion.token_ids))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,206 @@
+"""Request bodies of the OpenAI-compatible API (pydantic, strict) and the OpenAI error object.
+
+Bodies are validated strictly: wrong JSON types are errors (no "1" -> 1 coercion), and fields
+outside the declared set are refused, so a typo or an unsupported OpenAI feature gets a 400
+instead of being silently ignored. Declared beyond OpenAI's fields: the vLLM-style sampling
+extras and the per-request relaxation overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from thinkspec.sampling_params import SamplingParams
+
+# OpenAI's documented range; SamplingParams itself only needs >= 0.
+MAX_TEMPERATURE = 2.0
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None  # accepted on assistant turns, not sent to the template
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _CommonRequest(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None  # None = the served model
+    max_tokens: int | None = None
+    temperature: float | None = None  # None = the checkpoint's generation_config default
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0  # only 0 is supported
+    presence_penalty: float = 0.0  # only 0 is supported
+    user: str | None = None  # accepted and ignored
+    # vLLM-style extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # per-request relaxation overrides (None = the engine's SpeculativeConfig)
+    relaxed_thinking: bool | None = None
+    relax_ratio: float | None = None
+    relax_top_k: int | None = None
+    relax_delta: float | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False  # only false is supported
+    top_logprobs: int | None = None  # only None/0 is supported
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None  # only None is supported
+    echo: bool = False  # only false is supported
+    best_of: int | None = None  # only None/1 is supported
+
+
+_SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_PARAM_RE = re.compile(r"^(?:SamplingParams\.)?(\w+)")
+_FIELD_PART = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    """bytes -> the JSON object; OpenAIError 400 for invalid JSON (NaN/Infinity included) or a non-object."""
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(
+            f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json"
+        )
+    return data
+
+
+def parse_request(model: type[_Strict], data: dict[str, Any]) -> Any:
+    """Validate a body into `model`; the first problem becomes an OpenAIError 400 naming its field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        parts = [
+            p for p in err["loc"] if isinstance(p, int) or (_FIELD_PART.match(p) and p not in _TYPE_TAGS)
+        ]
+        param = ".".join(str(p) for p in parts) or None
+        if err["type"] == "extra_forbidden":
+            message = f"unsupported field {param!r}"
+        elif err["type"] == "missing":
+            message = f"missing required field {param!r}"
+        else:
+            got = err.get("input")
+            shown = json.dumps(got)[:80] if _jsonable(got) else type(got).__name__
+            message = f"{param}: {err['msg'].lower()}, got {shown}"
+        raise OpenAIError(message, param=param, code=err["type"]) from None
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def sampling_error(e: ValueError) -> OpenAIError:
+    """SamplingParams' own ValueError -> a 400 whose param is the field it names."""
+    text = str(e)
+    m = _PARAM_RE.match(text)
+    param = m.group(1) if m and m.group(1) in _SAMPLING_NAMES else None
+    return OpenAIError(text, param=param, code="invalid_value")
+
+
+def check_unsupported(req: _CommonRequest) -> None:
+    """OpenAI features the engine does not implement; refused rather than silently ignored."""
+    if req.n != 1:
+        raise OpenAIError(f"n={req.n} is not supported: only n=1", param="n", code="invalid_value")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(req, name)
+        if value != 0.0:
+            raise OpenAIError(f"{name}={value} is not supported: only 0", param=name, code="unsupported")
+    t = req.temperature
+    if t is not None and not 0.0 <= t <= MAX_TEMPERATURE:
+        raise OpenAIError(
+            f"temperature must be in [0, {MAX_TEMPERATURE}], got {t}",
+            param="temperature",
+            code="invalid_value",
+        )
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options needs stream=true", param="stream_options", code="invalid_value")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs:
+            raise OpenAIError("logprobs are not supported", param="logprobs", code="unsupported")
+    elif isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            raise OpenAIError("logprobs are not supported", param="logprobs", code="unsupported")
+        if req.echo:
+            raise OpenAIError("echo is not supported", param="echo", code="unsupported")
+        if req.best_of not in (None, 1):
+            raise OpenAIError(
+                f"best_of={req.best_of} is not supported: only 1", param="best_of", code="unsupported"
+            )

@@ -1,0 +1,224 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn): routes, auth, body limits, error objects.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these three need the
+API key when one is set), GET /health, GET /metrics. Every error is an OpenAI error object:
+{"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from thinkspec.entrypoints.async_engine import AsyncLLMEngine
+from thinkspec.entrypoints.openai.metrics import ServerMetrics
+from thinkspec.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    parse_json_body,
+    parse_request,
+)
+from thinkspec.entrypoints.openai.serving import OpenAIServing, ServingConfig
+from thinkspec.utils import logger
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) anything over `limit` bytes, declared or streamed."""
+    too_large = OpenAIError(
+        f"the request body exceeds the limit of {limit} bytes", status=413, code="request_too_large"
+    )
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which aborts its request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # nobody is left to answer
+        await task
+    return Response(status_code=499)
+
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.to_dict(), status_code=e.status)
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    config: ServingConfig,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The app for one started AsyncLLMEngine; the caller owns the engine's lifecycle."""
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
+    metrics = ServerMetrics(engine)
+    serving = OpenAIServing(engine, config, metrics)
+    created = int(time.time())
+    app = FastAPI(title="thinkspec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return _error_response(OpenAIError(message, status=e.status_code, code=codes.get(e.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(OpenAIError(str(e), code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500))
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError("missing or incorrect API key", status=401, code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "thinkspec",
+            "max_model_len": engine.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def respond(request: Request, handler: Any, model: type) -> Response:
+        body = parse_json_body(await _read_body(request, max_request_bytes))
+        req = parse_request(model, body)
+        if not req.stream:
+            result = await _unless_disconnected(request, handler(req))
+            return result if isinstance(result, Response) else JSONResponse(result)
+        events: AsyncIterator[str] = await handler(req)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await respond(request, serving.chat, ChatCompletionRequest)
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await respond(request, serving.completion, CompletionRequest)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        reason = engine.dead_error or "the engine loop is not running"
+        return _error_response(OpenAIError(reason, status=503, code="engine_dead"))
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _check_server_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        raise ValueError(f"--max-tokens-limit must be >= 1, got {args.max_tokens_limit}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`thinkspec serve`: build the engine from the engine flags, serve until interrupted."""
+    import logging
+
+    import uvicorn
+
+    from thinkspec.entrypoints.generate import build_llm
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _check_server_args(args)
+        llm = build_llm(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"thinkspec serve: error: {e}", file=sys.stderr)
+        return 2
+    llm_engine = llm.llm_engine
+    if args.max_tokens_limit is not None and args.max_tokens_limit > llm_engine.max_model_len:
+        print(
+            f"thinkspec serve: error: --max-tokens-limit {args.max_tokens_limit} exceeds max_model_len "
+            f"{llm_engine.max_model_len}",
+            file=sys.stderr,
+        )
+        return 2
+    config = ServingConfig(
+        served_model_name=args.served_model_name or args.model,
+        max_tokens_limit=args.max_tokens_limit or llm_engine.max_model_len,
+    )
+    engine = AsyncLLMEngine(llm_engine)
+    engine.start()
+    try:
+        app = build_app(engine, config, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+        logger.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,347 @@
+"""Chat and text completions: request -> prompt + SamplingParams -> engine -> OpenAI-shaped response.
+
+Non-streamed handlers return the response dict. Streamed handlers first queue the request (so a
+prompt the engine refuses is still answered with a 400) and then return an async iterator of
+server-sent-event strings ending with `data: [DONE]`. Closing that iterator early aborts the
+request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from thinkspec.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from thinkspec.entrypoints.openai.metrics import ServerMetrics
+from thinkspec.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    check_unsupported,
+    sampling_error,
+)
+from thinkspec.outputs import RequestOutput
+from thinkspec.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ServingConfig:
+    served_model_name: str
+    max_tokens_limit: int  # largest max_tokens a request may ask; also the default
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(out: RequestOutput) -> str:
+    reason = out.outputs[0].finish_reason
+    if reason == "error":
+        raise OpenAIError(out.error or "the request failed in the engine", status=500)
+    return reason or "stop"
+
+
+class _TextStream:
+    """Incremental text of cumulative outputs, holding back what a stop string may still cut off."""
+
+    __slots__ = ("sent", "hold")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.sent = 0
+        # A stop string found later is removed from the text, and it may start up to
+        # len(stop) - 1 characters before the end of what exists now.
+        stops = params.stop if not params.include_stop_str_in_output else []
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def delta(self, out: RequestOutput) -> str:
+        text = out.outputs[0].text
+        end = len(text) if out.finished else max(self.sent, len(text) - self.hold)
+        piece = text[self.sent : end]
+        self.sent = end
+        return piece
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, config: ServingConfig, metrics: ServerMetrics | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        llm_engine = engine.engine
+        self.tokenizer = llm_engine.tokenizer
+        self.reasoning = llm_engine.reasoning  # ResolvedReasoning or None
+        info = llm_engine.model_info
+        # The checkpoint's generation_config defaults apply where a request leaves a field out (as vLLM).
+        self.defaults = {k: getattr(info, k, None) for k in ("temperature", "top_p", "top_k")}
+
+    # ---- shared -------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise OpenAIError(
+                f"The model `{model}` does not exist; this server serves `{self.config.served_model_name}`.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(
+        self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
+    ) -> SamplingParams:
+        check_unsupported(req)
+        limit = self.config.max_tokens_limit
+        if max_tokens is not None and max_tokens > limit:
+            raise OpenAIError(
+                f"max_tokens must be at most {limit}, got {max_tokens}",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        kwargs: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(req, name)
+            value = self.defaults[name] if value is None else value
+            if value is not None:
+                kwargs[name] = value
+        for name in (
+            "min_p", "seed", "stop", "stop_token_ids", "relaxed_thinking", "relax_ratio", "relax_top_k",
+            "relax_delta",
+        ):  # fmt: skip
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(
+                n=req.n,
+                max_tokens=limit if max_tokens is None else max_tokens,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                **kwargs,
+            )
+        except ValueError as e:
+            raise sampling_error(e) from None
+
+    async def _add(self, request_id: str, prompt: Any, params: SamplingParams, param: str) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param, code="invalid_prompt") from None
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), status=503, code="engine_dead") from None
+
+    async def _collect(self, stream: RequestStream) -> RequestOutput:
+        final: RequestOutput | None = None
+        try:
+            async for out in stream:
+                final = out
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), status=500, code="engine_dead") from None
+        finally:
+            self._done(stream, final)
+        assert final is not None
+        return final
+
+    def _done(self, stream: RequestStream, last: RequestOutput | None) -> None:
+        """After a stream ends, normally or not: abort if unfinished, and count the request."""
+        if not stream.finished:
+            self.engine.abort(stream.request_id)
+        if self.metrics is not None and last is not None:
+            if not last.finished:
+                last.outputs[0].finish_reason = "abort"
+            self.metrics.observe_finished(last)
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise OpenAIError("the model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        reserved = {
+            "conversation",
+            "tokenize",
+            "add_generation_prompt",
+            "return_dict",
+            "chat_template",
+            "tools",
+        }
+        if bad := sorted(reserved & set(kwargs)):
+            raise OpenAIError(
+                f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs", code="invalid_value"
+            )
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - template errors come from the request's content
+            raise OpenAIError(
+                f"the chat template failed: {e}", param="messages", code="invalid_value"
+            ) from None
+        # The template wrote the special tokens; encoding must not add more.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens)
+        prompt = self.chat_prompt(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = await self._add(request_id, prompt, params, "messages")
+        starts_thinking = self.reasoning is not None and self.reasoning.initial_phase(
+            prompt["prompt_token_ids"]
+        )
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return self._chat_stream(stream, created, params, starts_thinking, include_usage)
+        out = await self._collect(stream)
+        completion = out.outputs[0]
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(completion.text, starts_thinking)
+        else:
+            reasoning, content = None, completion.text
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.config.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(out),
+                }
+            ],
+            "usage": _usage(out),
+        }
+
+    async def _chat_stream(
+        self,
+        stream: RequestStream,
+        created: int,
+        params: SamplingParams,
+        starts_thinking: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        base = {"id": stream.request_id, "object": "chat.completion.chunk", "created": created}
+        base["model"] = self.config.served_model_name
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return _sse({**base, "choices": [choice]})
+
+        text = _TextStream(params)
+        split = self.reasoning.stream(starts_thinking) if self.reasoning is not None else None
+        last: RequestOutput | None = None
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for out in stream:
+                last = out
+                piece = text.delta(out)
+                if split is None:
+                    reasoning, content = None, piece or None
+                else:
+                    reasoning, content = split.feed(piece)
+                    if out.finished:
+                        tail_r, tail_c = split.finish()
+                        reasoning = (reasoning or "") + (tail_r or "") or None
+                        content = (content or "") + (tail_c or "") or None
+                if reasoning is not None:
+                    yield chunk({"reasoning_content": reasoning})
+                if content is not None:
+                    yield chunk({"content": content})
+            assert last is not None
+            yield chunk({}, _finish_reason(last))
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(last)})
+        except EngineDeadError as e:
+            yield _sse(OpenAIError(str(e), status=500, code="engine_dead").to_dict())
+        except OpenAIError as e:
+            yield _sse(e.to_dict())
+        finally:
+            self._done(stream, last)
+        yield SSE_DONE
+
+    # ---- text completions ---------------------------------------------------------------------
+
+    def completion_prompt(self, req: CompletionRequest) -> str | list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise OpenAIError(
+                    f"a list of {len(prompt)} prompts is not supported: send one prompt per request",
+                    param="prompt",
+                    code="invalid_value",
+                )
+            return prompt[0]
+        return prompt
+
+    async def completion(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(req.model)
+        params = self.sampling_params(req, req.max_tokens)
+        prompt = self.completion_prompt(req)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = await self._add(request_id, prompt, params, "prompt")
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return self._completion_stream(stream, created, params, include_usage)
+        out = await self._collect(stream)
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.config.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": out.outputs[0].text,
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(out),
+                }
+            ],
+            "usage": _usage(out),
+        }
+
+    async def _completion_stream(
+        self, stream: RequestStream, created: int, params: SamplingParams, include_usage: bool
+    ) -> AsyncIterator[str]:
+        base = {"id": stream.request_id, "object": "text_completion", "created": created}
+        base["model"] = self.config.served_model_name
+
+        def chunk(piece: str, finish_reason: str | None = None) -> str:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+            return _sse({**base, "choices": [choice]})
+
+        text = _TextStream(params)
+        last: RequestOutput | None = None
+        try:
+            async for out in stream:
+                last = out
+                if piece := text.delta(out):
+                    yield chunk(piece)
+            assert last is not None
+            yield chunk("", _finish_reason(last))
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(last)})
+        except EngineDeadError as e:
+            yield _sse(OpenAIError(str(e), status=500, code="engine_dead").to_dict())
+        except OpenAIError as e:
+            yield _sse(e.to_dict())
+        finally:
+            self._done(stream, last)
+        yield SSE_DONE

@@ -1,0 +1,26 @@
+"""Where the bundled toy reasoner pair lives, and the short names that point at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+TOY_MODELS = {
+    "toy-reasoner": ASSETS_DIR / "toy-reasoner" / "target",
+    "toy-reasoner-draft": ASSETS_DIR / "toy-reasoner" / "draft",
+}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map "toy-reasoner" / "toy-reasoner-draft" to the bundled checkpoint folder; anything else unchanged.
+
+    Raises ValueError when a toy name is asked for but its folder is not installed.
+    """
+    path = TOY_MODELS.get(name_or_path)
+    if path is None:
+        return name_or_path
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {name_or_path!r}: the bundled checkpoint is missing (no config.json in {path})"
+        )
+    return str(path)
