@@ -100,6 +100,10 @@ class SpeculativeConfig:
       (see DESIGN.md "The acceptance contract"); engine defaults, overridable per request.
     - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
       its markers, or without a parser (both given) define a generic one.
+    - synthetic_acceptance_rate: BENCHMARK TOOL ONLY. Each draft is accepted with this
+      probability whatever the models say (the emitted token after the run is the target's
+      argmax), so speed can be measured at a chosen acceptance length on random weights. Outputs
+      are not the model's; never use it to generate text. In [0, 1]; None = off.
     """
 
     method: str | None = None
@@ -114,6 +118,7 @@ class SpeculativeConfig:
     reasoning_parser: str | None = None
     think_start_token: str | None = None
     think_end_token: str | None = None
+    synthetic_acceptance_rate: float | None = None
 
     def __post_init__(self) -> None:
         owner = "SpeculativeConfig"
@@ -145,6 +150,12 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ValueError(f"{owner}.model must be None with method='ngram', got {self.model!r}")
         self._check_prompt_lookup(owner)
+        if self.synthetic_acceptance_rate is not None:
+            self.synthetic_acceptance_rate = _check_unit_float(
+                owner, "synthetic_acceptance_rate", self.synthetic_acceptance_rate
+            )
+            if self.method is None:
+                raise ValueError(f"{owner}.synthetic_acceptance_rate needs a speculative method")
 
         validate_relax_fields(
             relaxed_thinking=self.relaxed_thinking,

@@ -11,6 +11,7 @@ import torch
 from thinkspec.engine.engine import EngineConfig, LLMEngine, PromptType
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
+from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.utils import logger
 
 Conversation = list[dict[str, Any]]
@@ -21,7 +22,13 @@ class LLM:
 
     LLM(model, tokenizer=None, dtype="auto", device="auto", max_model_len=None, max_num_seqs=64,
         max_num_batched_tokens=2048, block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=None,
-        enable_prefix_caching=True, seed=0, reasoning_parser=None)
+        enable_prefix_caching=True, seed=0, reasoning_parser=None, speculative_config=None)
+
+    speculative_config: a SpeculativeConfig, a dict or a JSON string, as vLLM's
+    `speculative_config` (e.g. {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4,
+    "relaxed_thinking": True, "relax_ratio": 0.3, "relax_top_k": 3}). When speculating, each
+    RequestOutput's metrics.spec_decode holds that request's counters and `last_spec_metrics` the
+    whole last generate()/chat() call's.
 
     See EngineConfig for the meaning of each setting. A request whose prompt cannot run (longer
     than max_model_len or the KV pool, empty, bad token ids) fails alone: its RequestOutput has
@@ -43,6 +50,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         reasoning_parser: str | None = None,
+        speculative_config: Any = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -58,8 +66,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             reasoning_parser=reasoning_parser,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config)
+        self.last_spec_metrics: SpecDecodeMetrics | None = None
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -145,7 +155,20 @@ class LLM:
                 logger.warning("request %s failed: %s", request_id, e)
                 results[request_id] = engine.error_output(request_id, text, ids, str(e))
         self._drive(results, len(order), use_tqdm and len(order) > 1)
-        return [results[r] for r in order]
+        outputs = [results[r] for r in order]
+        if engine.speculator is not None:
+            total = SpecDecodeMetrics()
+            for out in outputs:
+                if out.metrics is not None and out.metrics.spec_decode is not None:
+                    total.merge(out.metrics.spec_decode)
+            self.last_spec_metrics = total
+            logger.info(
+                "speculative decoding: mean acceptance length %.3f (thinking %.3f, answer %.3f), "
+                "draft acceptance rate %.3f, relaxed-only share %.3f",
+                total.mean_acceptance_length(), total.mean_acceptance_length("thinking"),
+                total.mean_acceptance_length("answer"), total.draft_acceptance_rate(), total.relaxed_share(),
+            )  # fmt: skip
+        return outputs
 
     def _drive(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         engine = self.llm_engine

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 
 
 @dataclass(slots=True)
@@ -33,7 +36,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
-    spec_decode: dict[str, Any] | None = None  # filled by speculative decoding
+    spec_decode: SpecDecodeMetrics | None = None  # speculative-decoding counters, when speculating
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import itertools
-import math
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.model_runner import ModelRunner, determine_kv_cache_memory, kv_cache_bytes_per_block
 from thinkspec.engine.scheduler import Scheduler
-from thinkspec.engine.sequence import Sequence
+from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling.sampler import Sampler
 from thinkspec.sampling_params import SamplingParams
+from thinkspec.spec_decode.draft_model import check_draft_compatible
+from thinkspec.spec_decode.metrics import SpecDecodeMetrics
+from thinkspec.spec_decode.speculator import Speculator
 from thinkspec.utils import logger, resolve_device
 
 PromptType = str | list[int] | Mapping[str, Any]
@@ -50,6 +54,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     reasoning_parser: str | None = None
+    speculative_config: Any = None  # SpeculativeConfig | dict | JSON str | None
+
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -80,6 +86,25 @@ class EngineConfig:
             from thinkspec.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)  # raises ValueError listing the known names
+        self.speculative_config = _parse_speculative_config(self.speculative_config, self.reasoning_parser)
+
+
+def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
+    """SpeculativeConfig.parse, where the engine's reasoning parser stands in for one the speculative
+    config does not name (as with vLLM's separate --reasoning-parser flag)."""
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config JSON is invalid: {exc}; got {value!r}") from None
+    if (
+        isinstance(value, Mapping)
+        and reasoning_parser is not None
+        and value.get("reasoning_parser") is None
+        and value.get("think_start_token") is None
+    ):
+        value = {**value, "reasoning_parser": reasoning_parser}
+    return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
 
 
 class LLMEngine:
@@ -118,6 +143,17 @@ class LLMEngine:
         self.bytes_per_block = kv_cache_bytes_per_block(
             info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
+        spec = config.speculative_config
+        self.draft_model = self.draft_info = None
+        if spec is not None and spec.method == "draft_model":
+            assert spec.model is not None
+            self.draft_model, self.draft_info = load_model(spec.model, info.dtype, self.device)
+            check_draft_compatible(self.tokenizer, info, self.draft_info)
+            d = self.draft_info
+            # Both pools share the block tables, so one block costs the sum of the two.
+            self.bytes_per_block += kv_cache_bytes_per_block(
+                d.num_layers, config.block_size, d.num_kv_heads, d.head_dim, d.dtype
+            )
         num_blocks = kv_bytes // self.bytes_per_block
         # More blocks than every running sequence at full length twice over only feed the prefix
         # cache, and the host bookkeeping grows with them (tiny models on big GPUs).
@@ -158,10 +194,39 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, self.device)
         self.reasoning = None
-        if config.reasoning_parser is not None:
+        protect = tuple(sorted(self.eos_token_ids))
+        if spec is not None and spec.build_reasoning_parser() is not None:
+            self.reasoning = spec.resolve_reasoning(self.tokenizer, extra_protected_token_ids=protect)
+        elif config.reasoning_parser is not None:
             from thinkspec.reasoning import get_reasoning_parser
 
-            self.reasoning = get_reasoning_parser(config.reasoning_parser).resolve(self.tokenizer)
+            self.reasoning = get_reasoning_parser(config.reasoning_parser).resolve(
+                self.tokenizer, extra_protected_token_ids=protect
+            )
+        self.speculator: Speculator | None = None
+        if spec is not None:
+            draft_runner = None
+            if self.draft_model is not None:
+                d = self.draft_info
+                draft_runner = ModelRunner(
+                    self.draft_model,
+                    num_blocks=num_blocks,
+                    block_size=config.block_size,
+                    num_kv_heads=d.num_kv_heads,
+                    head_dim=d.head_dim,
+                    dtype=d.dtype,
+                    device=self.device,
+                )
+            self.speculator = Speculator(
+                spec,
+                target_runner=self.model_runner,
+                draft_runner=draft_runner,
+                reasoning=self.reasoning,
+                sampler=self.sampler,
+                vocab_size=info.vocab_size,
+                max_model_len=self.max_model_len,
+                seed=config.seed,
+            )
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         logger.info(
@@ -186,7 +251,14 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt(request_id, token_ids)
+        if params.relaxed_thinking and (self.speculator is None or self.reasoning is None):
+            raise ValueError(
+                f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "
+                "parser (speculative_config with reasoning_parser or think_start/end tokens)"
+            )
         seq = Sequence(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        if self.reasoning is not None:
+            seq.thinking = self.reasoning.initial_phase(token_ids)
         self.scheduler.add(seq)
         return request_id
 
@@ -246,7 +318,8 @@ class LLMEngine:
         """Schedule, run the model, sample, commit. Returns outputs of requests that produced
         tokens or finished this step (cumulative text and token ids)."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        sched = self.scheduler.schedule()
+        spec = self.speculator
+        sched = self.scheduler.schedule(num_lookahead_tokens=spec.k if spec is not None else 0)
         if sched.is_empty:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError(
@@ -254,13 +327,20 @@ class LLMEngine:
                     f"{self.block_manager.num_blocks} blocks free)"
                 )
             return outputs
+        if spec is not None:
+            result = spec.step(sched)
+            # KV now holds the accepted tokens only; rejected drafts' slots are reused later.
+            sched.num_new_tokens = result.num_computed
+            for seq in self.scheduler.postprocess(sched, result.token_ids):
+                outputs.append(self.make_output(seq))
+            return outputs
         sample_mask = sched.sample_mask()
         num_logits = [int(m) for m in sample_mask]
         logits = self.model_runner.execute_model(sched.seqs, sched.num_new_tokens, num_logits)
         sampled = [s for s, m in zip(sched.seqs, sample_mask) if m]
         tokens: list[int] = []
         if sampled:
-            self._mask_stop_tokens_before_min_tokens(logits, sampled)
+            mask_stops_before_min_tokens(logits.unsqueeze(1), sampled)
             params = [s.sampling_params for s in sampled]
             tokens = self.sampler(logits, params, [s.num_output_tokens for s in sampled]).tolist()
         it = iter(tokens)
@@ -268,14 +348,6 @@ class LLMEngine:
         for seq in self.scheduler.postprocess(sched, committed):
             outputs.append(self.make_output(seq))
         return outputs
-
-    def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        # logits [N, V] float32, row i for seqs[i]; EOS/stop ids get -inf until min_tokens are out.
-        for i, seq in enumerate(seqs):
-            params = seq.sampling_params
-            if seq.num_output_tokens < params.min_tokens:
-                ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
-                logits[i, sorted(t for t in ids if t < logits.shape[1])] = -math.inf
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         """Cumulative output of seq. reasoning_content / content are filled once it is finished
@@ -319,6 +391,11 @@ class LLMEngine:
         )
 
     # ---- statistics ---------------------------------------------------------------------------
+
+    @property
+    def spec_metrics(self) -> SpecDecodeMetrics | None:
+        """Cumulative speculative-decoding counters of this engine; None when not speculating."""
+        return self.speculator.metrics if self.speculator is not None else None
 
     @property
     def num_preemptions(self) -> int:

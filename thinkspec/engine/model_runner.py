@@ -159,12 +159,13 @@ class ModelRunner:
         num_new_tokens: Seq[int],
         num_logits: Seq[int],
         input_token_ids: Seq[Seq[int]] | None = None,
+        start_positions: Seq[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Pack the ragged batch with one host->device copy.
 
-        Sequence i feeds num_new_tokens[i] tokens at positions num_computed_tokens ... +n-1 (the
-        tokens are seq.token_ids there, or input_token_ids[i] when given) and wants logits for its
-        last num_logits[i] rows.
+        Sequence i feeds num_new_tokens[i] tokens at positions start ... start+n-1, start being
+        start_positions[i] or else seq.num_computed_tokens (the tokens are seq.token_ids there, or
+        input_token_ids[i] when given) and wants logits for its last num_logits[i] rows.
         Returns input_ids [T] int64, positions [T] int64, metadata, logits_indices [N] int64.
         """
         bs = self.block_size
@@ -184,7 +185,7 @@ class ModelRunner:
         qsl_h[0] = 0
         t = r = 0
         for i, (seq, n, k) in enumerate(zip(seqs, num_new_tokens, num_logits)):
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens if start_positions is None else start_positions[i]
             end = start + n
             if n < 1 or not 0 <= k <= n:
                 raise ValueError(f"sequence {seq.request_id!r}: num_new_tokens={n}, num_logits={k}")
@@ -227,14 +228,23 @@ class ModelRunner:
         num_new_tokens: Seq[int],
         num_logits: Seq[int],
         input_token_ids: Seq[Seq[int]] | None = None,
+        start_positions: Seq[int] | None = None,
+        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward the batch, write its K/V into the pool, return logits [N, V] float32 for the
-        selected rows (sequence after sequence, N = sum(num_logits))."""
+        selected rows (sequence after sequence, N = sum(num_logits)).
+
+        device_tokens = (index [M] int64, token ids [M] int64), both on the device, overwrites
+        input_ids[index] after the host copy: draft tokens that live on the device go straight in
+        without a device->host round trip (their host-side input_token_ids entries are placeholders).
+        """
         if not seqs:
             raise ValueError("execute_model needs at least one sequence")
         input_ids, positions, meta, logits_indices = self.prepare_inputs(
-            seqs, num_new_tokens, num_logits, input_token_ids
+            seqs, num_new_tokens, num_logits, input_token_ids, start_positions
         )
+        if device_tokens is not None:
+            input_ids = input_ids.index_put((device_tokens[0],), device_tokens[1])
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [T, H]
         return self.model.compute_logits(hidden[logits_indices])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from thinkspec.outputs import RequestMetrics
 from thinkspec.sampling_params import SamplingParams
@@ -48,6 +51,10 @@ class Sequence:
     error: str | None = None
     prefix_offset: int = 0  # incremental detokenization window into token_ids
     read_offset: int = 0
+    # Speculative decoding: tokens whose K/V the draft model holds (never more than the target's),
+    # and the reasoning phase after the committed tokens (True = inside <think>).
+    num_draft_computed_tokens: int = 0
+    thinking: bool = False
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,3 +156,20 @@ def _check_stop_strings(seq: Sequence, new_chars: int) -> bool:
         seq.finish("stop", stop)
         return True
     return False
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: EOS and stop ids get -inf in rows that would emit an output token before min_tokens.
+
+    logits [S, R, V] float32; row r of seqs[s] scores that request's output token num_output + r
+    (R = 1 for plain decoding, k + 1 for a verify window).
+    """
+    for b, seq in enumerate(seqs):
+        params = seq.sampling_params
+        short = params.min_tokens - seq.num_output_tokens
+        if short <= 0:
+            continue
+        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
+        ids_l = sorted(t for t in ids if 0 <= t < logits.shape[-1])
+        if ids_l:
+            logits[b, : min(short, logits.shape[1]), ids_l] = -math.inf

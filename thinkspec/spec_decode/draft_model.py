@@ -1,0 +1,173 @@
+"""Draft-model proposer: a small model with its own paged KV pool that shares the target's block tables.
+
+KV bookkeeping: `seq.num_draft_computed_tokens` counts the tokens whose draft K/V is written; it is
+never more than the target's `num_computed_tokens`, and `min(draft, target)` is where the draft
+resumes, so preemption, prefix-cache hits and rejected drafts need no extra work: stale slots are
+overwritten by the next forward (rollback = moving the pointer back).
+
+One round for the decode sequences S of a step, each with n_b <= k drafts allowed:
+  forward 1  every scheduled sequence feeds the tokens the draft has not seen yet (prefill chunks
+             mirror the target's; decode sequences catch up through their last committed token),
+             and S gets logits of its last row -> draft token 1
+  forward j  S feeds draft token j-1 (still on the device) -> draft token j, for j = 2 .. max n_b
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from thinkspec.engine.model_runner import ModelRunner
+from thinkspec.engine.sequence import Sequence
+from thinkspec.models.loader import ModelInfo
+from thinkspec.sampling.sampler import (
+    Sampler,
+    SamplingTensors,
+    apply_temperature,
+    apply_top_k_top_p_min_p,
+)
+
+# Draft noise for a seeded request is keyed apart from the target's own sampling positions.
+_DRAFT_NOISE_POSITION = 1 << 40
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, k: int, vocab_size: int) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.k = k
+        self.vocab_size = vocab_size
+        self.device = runner.device
+
+    def propose(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        spec_index: Seq[int],
+        num_drafts: Seq[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the draft over this step's batch and propose for the decode sequences.
+
+        seqs / num_new_tokens: the scheduled batch; spec_index[b]: position in seqs of decode
+        sequence b; num_drafts[b]: drafts wanted from it (0 allowed).
+        Returns draft_token_ids [S, k] int64 (-1 padded) and draft_probs [S, k, V] float32 for the
+        sampled rows (None when every row is greedy).
+        """
+        num_spec = len(spec_index)
+        drafts = torch.full((num_spec, self.k), -1, dtype=torch.long, device=self.device)
+        spec_of = {i: b for b, i in enumerate(spec_index)}
+        params = [seqs[i].sampling_params for i in spec_index]
+        any_sampled = any(not p.is_greedy for p in params)
+        probs = (
+            torch.zeros(num_spec, self.k, self.vocab_size, dtype=torch.float32, device=self.device)
+            if any_sampled
+            else None
+        )
+
+        # Forward 1: catch up / mirror prefill; logits for decode sequences that want drafts.
+        f_seqs: list[Sequence] = []
+        f_num: list[int] = []
+        f_start: list[int] = []
+        f_logits: list[int] = []
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+            b = spec_of.get(i)
+            end = seq.num_tokens if b is not None else seq.num_computed_tokens + n
+            want = int(b is not None and num_drafts[b] > 0)
+            if end <= start:
+                continue
+            f_seqs.append(seq)
+            f_num.append(end - start)
+            f_start.append(start)
+            f_logits.append(want)
+            seq.num_draft_computed_tokens = end
+        if not f_seqs:
+            return drafts, probs
+        active = [b for b in range(num_spec) if num_drafts[b] > 0]
+        logits = self.runner.execute_model(f_seqs, f_num, f_logits, start_positions=f_start)
+        for j in range(max((num_drafts[b] for b in active), default=0)):
+            rows = [b for b in active if num_drafts[b] > j]
+            if j > 0:
+                # Feed draft token j (from position j-1) at position num_tokens - 1 + j.
+                row_seqs = [seqs[spec_index[b]] for b in rows]
+                rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+                logits = self.runner.execute_model(
+                    row_seqs,
+                    [1] * len(rows),
+                    [1] * len(rows),
+                    input_token_ids=[[0]] * len(rows),
+                    start_positions=[s.num_tokens - 1 + j for s in row_seqs],
+                    device_tokens=(torch.arange(len(rows), device=self.device), drafts[rows_t, j - 1]),
+                )
+                for s in row_seqs:
+                    s.num_draft_computed_tokens = s.num_tokens + j
+            else:
+                rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            tokens, q = self._sample(
+                logits, [params[b] for b in rows], [seqs[spec_index[b]] for b in rows], j
+            )
+            drafts[rows_t, j] = tokens
+            if probs is not None and q is not None:
+                probs[rows_t, j] = q
+        return drafts, probs
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [R, V] float32
+        params: list,
+        seqs: list[Sequence],
+        j: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token per row [R] int64 and its distribution q [R, V] float32 (None if all greedy)."""
+        greedy = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            return greedy, None
+        t = SamplingTensors.from_params(params, logits.device)
+        scaled = apply_temperature(logits, t.temperature)
+        filtered = apply_top_k_top_p_min_p(
+            scaled,
+            t.top_k if t.any_top_k else None,
+            t.top_p if t.any_top_p else None,
+            t.min_p if t.any_min_p else None,
+        )
+        positions = [_DRAFT_NOISE_POSITION + s.num_output_tokens + j for s in seqs]
+        noise = self.sampler.exponential_noise(filtered.shape, params, positions, filtered.device)
+        sampled = (filtered - noise.log()).argmax(dim=-1)
+        q = torch.softmax(filtered, dim=-1)
+        return torch.where(t.greedy, greedy, sampled), q
+
+
+def check_draft_compatible(target_tokenizer: Any, target_info: ModelInfo, draft_info: ModelInfo) -> None:
+    """Raise ValueError when the draft cannot propose in the target's vocabulary.
+
+    The logits widths must match, and when the draft folder ships a tokenizer its vocabulary and
+    special/added tokens must equal the target's: a token id has to mean the same text in both.
+    """
+    if draft_info.vocab_size != target_info.vocab_size:
+        raise ValueError(
+            f"draft model {draft_info.path} has vocab_size {draft_info.vocab_size}, the target "
+            f"{target_info.path} has {target_info.vocab_size}; the draft must share the target's vocabulary"
+        )
+    if not any((draft_info.path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    from transformers import AutoTokenizer
+
+    draft_tok = AutoTokenizer.from_pretrained(str(draft_info.path))
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differ = sorted(
+            t for t in set(target_vocab) | set(draft_vocab) if target_vocab.get(t) != draft_vocab.get(t)
+        )
+        raise ValueError(
+            f"draft tokenizer ({draft_info.path}) differs from the target's in {len(differ)} tokens, "
+            f"e.g. {differ[:5]}; the draft must share the target's tokenizer"
+        )
+    t_special = sorted(set(target_tokenizer.all_special_tokens) | set(target_tokenizer.get_added_vocab()))
+    d_special = sorted(set(draft_tok.all_special_tokens) | set(draft_tok.get_added_vocab()))
+    if t_special != d_special:
+        raise ValueError(
+            f"draft special tokens {d_special} differ from the target's {t_special}; "
+            "the draft must share the target's tokenizer"
+        )
