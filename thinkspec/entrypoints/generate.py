@@ -22,6 +22,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _record(prompt: str, out: RequestOutput) -> dict[str, Any]:
     c = out.outputs[0]
     spec = out.metrics.spec_decode if out.metrics is not None else None
+    if spec is not None and hasattr(spec, "to_dict"):
+        spec = spec.to_dict()
     return {
         "prompt": prompt,
         "text": c.text,

@@ -167,6 +167,16 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
+def engine_error(e: ValueError, default_param: str) -> OpenAIError:
+    """The engine's refusal of a request -> a 400 naming the sampling field it cites (`name=value`),
+    else `default_param` (the prompt)."""
+    text = str(e)
+    cited = [m for m in re.findall(r"\b(\w+)=", text) if m in _SAMPLING_NAMES]
+    if cited:
+        return OpenAIError(text, param=cited[0], code="invalid_value")
+    return OpenAIError(text, param=default_param, code="invalid_prompt")
+
+
 def sampling_error(e: ValueError) -> OpenAIError:
     """SamplingParams' own ValueError -> a 400 whose param is the field it names."""
     text = str(e)

@@ -22,6 +22,7 @@ from thinkspec.entrypoints.openai.protocol import (
     CompletionRequest,
     OpenAIError,
     check_unsupported,
+    engine_error,
     sampling_error,
 )
 from thinkspec.outputs import RequestOutput
@@ -137,7 +138,7 @@ class OpenAIServing:
         try:
             return await self.engine.add_request(request_id, prompt, params)
         except ValueError as e:
-            raise OpenAIError(str(e), param=param, code="invalid_prompt") from None
+            raise engine_error(e, param) from None
         except EngineDeadError as e:
             raise OpenAIError(str(e), status=503, code="engine_dead") from None
 
