@@ -155,18 +155,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.",
+        description="Serves /v1/chat/completions, /v1/completions and /v1/models (behind --api-key when "
+        "given), /health and /metrics, on FastAPI + uvicorn (pip install 'thinkspec[server]'). "
+        "See docs/SERVER.md.",
     )
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--served-model-name", default=None, help="model name reported by /v1/models")
     serve.add_argument(
-        "--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask"
+        "--host",
+        default="127.0.0.1",
+        help="bind address; loopback only by default, 0.0.0.0 listens on every interface",
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer API_KEY' on every /v1 route (401 otherwise); default: no key",
     )
     serve.add_argument(
-        "--max-request-bytes", type=int, default=1 << 20, help="largest request body (default: %(default)s)"
+        "--served-model-name", default=None, help="model name of /v1/models and responses (default: MODEL)"
+    )
+    serve.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask (400 above), also the default max_tokens "
+        "(default: max_model_len)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body; larger ones get 413 (default: %(default)s)",
     )
 
     bench = sub.add_parser(

@@ -1,0 +1,169 @@
+"""The `thinkspec` command: help texts, imports without server packages, `generate`, `serve` refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from checkpoints import tiny_checkpoint
+
+from thinkspec.entrypoints.cli import build_parser, main
+from thinkspec.toy.assets import TOY_MODELS, resolve_model_path
+
+SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "prometheus_client")
+
+
+def help_text(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_lists_subcommands(capsys):
+    text = help_text(capsys)
+    for command in ("demo", "generate", "serve", "bench", "sweep"):
+        assert command in text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "sweep"])
+def test_engine_flags_spelled_as_vllm(capsys, command):
+    text = help_text(capsys, command)
+    for flag in (
+        "--speculative-config",
+        "--reasoning-parser",
+        "--max-model-len",
+        "--dtype",
+        "--gpu-memory-utilization",
+    ):
+        assert flag in text
+
+
+def test_serve_help_documents_server_flags(capsys):
+    text = help_text(capsys, "serve")
+    for flag in ("--host", "--port", "--api-key", "--max-tokens-limit", "--max-request-bytes"):
+        assert flag in text
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1" and args.api_key is None  # safe by default
+
+
+def test_bad_speculative_config_json_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--speculative-config", "{not json"])
+    assert exit_info.value.code == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_and_engine_loop_import_without_server_packages():
+    code = (
+        "import sys\n"
+        "import thinkspec.entrypoints.cli, thinkspec.entrypoints.generate\n"
+        "import thinkspec.entrypoints.async_engine\n"
+        f"loaded = [m for m in {SERVER_PACKAGES!r} if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_serve_without_fastapi_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # makes `import fastapi` fail
+    for name in list(sys.modules):
+        if name.startswith("thinkspec.entrypoints.openai."):
+            monkeypatch.delitem(sys.modules, name)
+    assert main(["serve", "some-model"]) == 1
+    err = capsys.readouterr().err
+    assert "fastapi" in err and "pip install 'thinkspec[server]'" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+        (["--max-tokens-limit", "0"], "--max-tokens-limit must be >= 1"),
+    ],
+)
+def test_serve_rejects_bad_server_flags_before_loading(capsys, flags, message):
+    assert main(["serve", "/nonexistent/model", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_reports_a_missing_model(capsys):
+    assert main(["serve", "/nonexistent/model", "--device", "cpu"]) == 2
+    assert "thinkspec serve: error:" in capsys.readouterr().err
+
+
+def test_resolve_model_path():
+    assert resolve_model_path("/some/folder") == "/some/folder"
+    assert resolve_model_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    for name, path in TOY_MODELS.items():
+        if (path / "config.json").is_file():
+            assert resolve_model_path(name) == str(path)
+        else:
+            with pytest.raises(ValueError, match=name):
+                resolve_model_path(name)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return str(tiny_checkpoint("qwen3", tied=True))
+
+
+def test_generate_json_matches_llm_chat(capsys, ckpt):
+    from thinkspec.llm import LLM
+    from thinkspec.sampling_params import SamplingParams
+
+    prompts = ["q30", "q45"]
+    argv = ["generate", ckpt, "--device", "cpu", "--reasoning-parser", "qwen3", "--chat", "--json"]
+    argv += ["--max-tokens", "12", *(x for p in prompts for x in ("--prompt", p))]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    llm = LLM(ckpt, device="cpu", reasoning_parser="qwen3")
+    outs = llm.chat(
+        [[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=12)
+    )
+    assert [r["prompt"] for r in records] == prompts
+    for record, out in zip(records, outs):
+        c = out.outputs[0]
+        assert (record["text"], record["reasoning_content"], record["content"]) == (
+            c.text,
+            c.reasoning_content,
+            c.content,
+        )
+        assert record["num_output_tokens"] == len(c.token_ids) <= 12
+        assert record["finish_reason"] == c.finish_reason and record["error"] is None
+    assert any(r["reasoning_content"] and r["content"] for r in records)
+
+
+def test_generate_text_output_and_prompts_file(capsys, ckpt, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("q30\n\nhello\n", encoding="utf-8")
+    argv = [
+        "generate",
+        ckpt,
+        "--device",
+        "cpu",
+        "--reasoning-parser",
+        "qwen3",
+        "--prompts-file",
+        str(prompts_file),
+    ]
+    assert main([*argv, "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("=== [") == 2 and "'q30'" in out and "'hello'" in out
+    assert out.count("--- reasoning") == 2 and out.count("--- answer") == 2
+    assert "output_tokens=6" in out
+
+
+def test_generate_refusals(capsys, ckpt):
+    assert main(["generate", ckpt, "--device", "cpu"]) == 2
+    assert "at least one --prompt" in capsys.readouterr().err
+    assert main(["generate", ckpt, "--device", "cpu", "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    # a prompt longer than max_model_len fails alone, with exit status 1
+    argv = ["generate", ckpt, "--device", "cpu", "--max-model-len", "32", "--max-tokens", "4"]
+    assert main([*argv, "--prompt", "x" * 64, "--prompt", "ok"]) == 1
+    out = capsys.readouterr().out
+    assert "error:" in out and "output_tokens=" in out
