@@ -476,6 +476,40 @@ def test_engine_step_failure_fails_requests_and_health(local_engine):
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
+def test_closing_generate_early_aborts_and_frees_blocks(local_engine):
+    from thinkspec.sampling_params import SamplingParams
+
+    llm_engine = local_engine.engine
+    aborted: list[tuple[str, int]] = []
+    abort = llm_engine.abort_request
+
+    def spy_abort(request_id):
+        seq = llm_engine.scheduler.requests.get(request_id)
+        aborted.append((request_id, -1 if seq is None else seq.num_output_tokens))
+        abort(request_id)
+
+    llm_engine.abort_request = spy_abort
+    local_engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def main() -> int:
+        gen = local_engine.generate("hello", params, "early-close")
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await gen.aclose()
+        return len(out.outputs[0].token_ids)
+
+    assert asyncio.run(main()) < 300
+    deadline = time.monotonic() + 10
+    while local_engine.stats.num_kv_blocks_used or local_engine.stats.num_running:
+        assert time.monotonic() < deadline, local_engine.stats
+        time.sleep(0.05)
+    assert local_engine.is_healthy
+    # aborted while still running, long before its 300 tokens
+    assert len(aborted) == 1 and aborted[0][0] == "early-close" and 0 < aborted[0][1] < 300
+
+
 def test_add_failure_fails_one_request_only(local_engine):
     """An exception inside LLMEngine.add_request answers that request and leaves the engine up."""
     llm_engine = local_engine.engine

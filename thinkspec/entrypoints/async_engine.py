@@ -171,27 +171,25 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            self._drain_commands()
-            if self._stopping:
-                break
-            if self.dead_error is not None or not self.engine.has_unfinished_requests():
-                if self.dead_error is None:
-                    self._update_stats()
-                self._wake.wait()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - any failure of step() ends the engine
-                self._die(e)
-                continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
+                self._drain_commands()
+                if self._stopping:
+                    break
+                if self.dead_error is not None or not self.engine.has_unfinished_requests():
+                    if self.dead_error is None:
+                        self._update_stats()
+                    self._wake.wait()
                     continue
-                stream.put(out)
-                if out.finished:
-                    del self._streams[out.request_id]
-            self._update_stats()
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+                self._update_stats()
+            except Exception as e:  # noqa: BLE001 - a failure of the engine itself ends it
+                self._die(e)
 
     def _drain_commands(self) -> None:
         while True:
@@ -221,8 +219,8 @@ class AsyncLLMEngine:
         loop.call_soon_threadsafe(_resolve, cmd.ack, None)
 
     def _die(self, error: Exception) -> None:
-        logger.exception("engine step failed; failing all requests")
-        self.dead_error = f"engine step failed: {type(error).__name__}: {error}"
+        logger.exception("the engine failed; failing all requests")
+        self.dead_error = f"engine failed: {type(error).__name__}: {error}"
         for stream in self._streams.values():
             stream.put(EngineDeadError(self.dead_error))
         self._streams.clear()
