@@ -86,23 +86,6 @@ def _row_stats_kernel(
     tl.store(psum_ptr + out, s)
 
 
-@triton.jit
-def _reduce_row(pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, row, NC, NC_P2: tl.constexpr):
-    """Row max, its lowest index, log-sum-exp and rank count from the NC tile partials of one row."""
-    offs = tl.arange(0, NC_P2)
-    cm = offs < NC
-    base = row * NC
-    cnt = tl.sum(tl.load(pcnt_ptr + base + offs, mask=cm, other=0), 0)
-    pm = tl.load(pmax_ptr + base + offs, mask=cm, other=float("-inf"))
-    pi = tl.load(pidx_ptr + base + offs, mask=cm, other=_INT32_MAX)
-    ps = tl.load(psum_ptr + base + offs, mask=cm, other=0.0)
-    m = tl.max(pm, 0)
-    g = tl.min(tl.where(pm == m, pi, _INT32_MAX), 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - m_safe)), 0)
-    return m, g, m + tl.log(s), cnt
-
-
 @triton.jit(do_not_specialize=["seed_offset"])
 def _accept_kernel(
     logits_ptr,  # [B, K+1, V] float
@@ -118,10 +101,10 @@ def _accept_kernel(
     q_ptr,  # [B, K, V] float (draft_probs), unused unless HAS_Q
     seed_ptr,  # [B] int64
     seed_offset,
-    pmax_ptr,
-    pidx_ptr,
-    pcnt_ptr,
-    psum_ptr,
+    pmax_ptr,  # [B*(K+1), NC] float32
+    pidx_ptr,  # [B*(K+1), NC] int32
+    pcnt_ptr,  # [B*(K+1), NC] int32
+    psum_ptr,  # [B*(K+1), NC] float32
     out_ptr,  # [B, K+1] int64 out
     nacc_ptr,  # [B] int64 out
     flag_ptr,  # [B, K] uint8 out (relaxed_accepted)
@@ -133,64 +116,74 @@ def _accept_kernel(
     NC_P2: tl.constexpr,
     K1_P2: tl.constexpr,
 ):
+    # All K+1 rows of the request at once (no serial chain of loads): [K1_P2] per-row vectors.
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(ndraft_ptr + b)
     temp = tl.load(temp_ptr + b)
-    greedy = temp == 0.0
     ratio = tl.load(ratio_ptr + b)
     topk = tl.load(topk_ptr + b)
     delta = tl.load(delta_ptr + b)
-    no_delta = delta != delta
     seed = tl.load(seed_ptr + b)
-    base = logits_ptr + b * stride_lb
     offs_k = tl.arange(0, K1_P2)
-    out = tl.full([K1_P2], -1, tl.int64)
-    flags = tl.zeros([K1_P2], tl.int8)
-    # Acceptance uniforms for every position at once: counter (step row, token V) of the request's stream.
-    rows_rng = seed_offset.to(tl.int64) * (K + 1) + offs_k
-    u_all = tl.rand(seed, rows_rng * (V + 1) + V)  # [K1_P2] float32 in [0, 1)
-    num_acc = b * 0  # int64 scalar
-    running = (b * 0 + 1).to(tl.int32)
-    for i in range(0, K):
-        row = b * (K + 1) + i
-        m, g, lse, cnt = _reduce_row(pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, row, NC, NC_P2)
-        d_raw = tl.load(draft_ptr + b * K + i)
-        d = tl.minimum(tl.maximum(d_raw, 0), V - 1)
-        xd = tl.load(base + i * stride_lr + d).to(tl.float32)
-        if temp != 0.0:
-            xd = xd / temp
-        pd = tl.exp(xd - lse)
-        pmax = tl.exp(m - lse)
-        relax_on = tl.load(mask_ptr + b * K + i) != 0
-        relaxed = (
-            relax_on
-            & (xd > float("-inf"))
-            & (cnt.to(tl.int64) < topk)
-            & (tl.exp(xd - m) >= ratio)
-            & (no_delta | (pmax - pd <= delta))
-        )
-        strict = d == g
-        if HAS_Q:
-            qd = tl.load(q_ptr + (b * K + i) * V + d).to(tl.float32)
-        else:
-            qd = 1.0
-        u = tl.sum(tl.where(offs_k == i, u_all, 0.0), 0)
-        lossless = u * qd < pd
-        acc = tl.where(greedy, strict | relaxed, relaxed | lossless) & (i < n) & (running != 0)
-        relaxed_only = tl.where(greedy, d != g, pd < qd)
-        out = tl.where(offs_k == i, tl.where(acc, d_raw, -1), out)
-        flags = tl.where(offs_k == i, (acc & relaxed & relaxed_only).to(tl.int8), flags)
-        num_acc += acc.to(tl.int64)
-        running = running & acc.to(tl.int32)
+    is_row = offs_k < K + 1
+    is_pos = offs_k < K
 
-    # Emitting row j: correction (j < n) or bonus (j == n). Sampled requests get theirs from the race.
-    j = num_acc
-    m, g, lse, _ = _reduce_row(pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, b * (K + 1) + j, NC, NC_P2)
-    out = tl.where(offs_k == j, g.to(tl.int64), out)
-    tl.store(out_ptr + b * (K + 1) + offs_k, out, mask=offs_k < K + 1)
-    tl.store(flag_ptr + b * K + offs_k, flags, mask=offs_k < K)
+    # Reduce the tile partials of every row: [K1_P2, NC_P2] -> [K1_P2].
+    offs_c = tl.arange(0, NC_P2)
+    part = (b * (K + 1) + offs_k)[:, None] * NC + offs_c[None, :]
+    pmask = is_row[:, None] & (offs_c < NC)[None, :]
+    pm = tl.load(pmax_ptr + part, mask=pmask, other=float("-inf"))
+    m = tl.max(pm, 1)
+    pi = tl.load(pidx_ptr + part, mask=pmask, other=_INT32_MAX)
+    g = tl.min(tl.where(pm == m[:, None], pi, _INT32_MAX), 1)  # lowest index among tiles holding the max
+    cnt = tl.sum(tl.load(pcnt_ptr + part, mask=pmask, other=0), 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    ps = tl.load(psum_ptr + part, mask=pmask, other=0.0)
+    lse = m + tl.log(tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - m_safe[:, None])), 1))
+
+    d_raw = tl.load(draft_ptr + b * K + offs_k, mask=is_pos, other=0)
+    d = tl.minimum(tl.maximum(d_raw, 0), V - 1)
+    xd = tl.load(logits_ptr + b * stride_lb + offs_k * stride_lr + d, mask=is_pos, other=float("-inf"))
+    xd = xd.to(tl.float32)
+    if temp != 0.0:
+        xd = xd / temp
+    pd = tl.exp(xd - lse)
+    pmax = tl.exp(m - lse)
+    # Per-request scalars broadcast to [K1_P2] before mixing with per-row booleans.
+    zero = tl.zeros([K1_P2], tl.float32)
+    greedy_v = (zero + temp) == 0.0
+    delta_v = zero + delta
+    relax_on = tl.load(mask_ptr + b * K + offs_k, mask=is_pos, other=0) != 0
+    relaxed = (
+        relax_on
+        & (xd > float("-inf"))
+        & (cnt.to(tl.int64) < topk)
+        & (tl.exp(xd - m) >= ratio)
+        & ((delta_v != delta_v) | (pmax - pd <= delta_v))
+    )
+    strict = d == g
+    if HAS_Q:
+        qd = tl.load(q_ptr + (b * K + offs_k) * V + d, mask=is_pos, other=1.0).to(tl.float32)
+    else:
+        qd = 1.0
+    # Uniforms at counter (row, token V) of the request's stream; tokens use counters < V.
+    u = tl.rand(seed, (seed_offset.to(tl.int64) * (K + 1) + offs_k) * (V + 1) + V)
+    lossless = u * qd < pd
+    acc = tl.where(greedy_v, strict | relaxed, relaxed | lossless) & (offs_k < n) & is_pos
+    # num_accepted = length of the leading run of accepts (acc is false from position n on).
+    j = tl.min(tl.where(acc, K1_P2, offs_k), 0).to(tl.int64)
+    in_run = offs_k < j
+    relaxed_only = tl.where(greedy_v, d != g, pd < qd)
+    # Emitting row j: correction (j < n) or bonus (j == n); sampled requests get theirs from the race.
+    g_j = tl.sum(tl.where(offs_k == j, g, 0), 0)
+    lse_j = tl.sum(tl.where(offs_k == j, lse, 0.0), 0)
+    out = tl.where(in_run, d_raw, -1)
+    out = tl.where(offs_k == j, g_j.to(tl.int64), out)
+    flags = (in_run & relaxed & relaxed_only).to(tl.int8)
+    tl.store(out_ptr + b * (K + 1) + offs_k, out, mask=is_row)
+    tl.store(flag_ptr + b * K + offs_k, flags, mask=is_pos)
     tl.store(nacc_ptr + b, j)
-    tl.store(emit_lse_ptr + b, lse)
+    tl.store(emit_lse_ptr + b, lse_j)
 
 
 @triton.jit(do_not_specialize=["seed_offset"])
@@ -363,7 +356,7 @@ def rejection_sample_triton(
     _accept_kernel[(b,)](
         logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
         pmax, pidx, pcnt, psum, out, nacc, flags, emit_lse, v, k, nc,
-        HAS_Q=draft_probs is not None, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=1,
+        HAS_Q=draft_probs is not None, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=2,
     )  # fmt: skip
     if not all_greedy:
         rbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
