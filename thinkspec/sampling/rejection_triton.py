@@ -67,9 +67,9 @@ def _row_stats_kernel(
     msk = offs < V
     x = tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
     if temp != 0.0:
-        # Division (not multiplication by 1/T) so x matches the reference bit for bit.
-        x = x / temp
-        xd = xd / temp
+        # IEEE division (plain `/` is approximate on GPU), so x matches the reference bit for bit.
+        x = tl.math.div_rn(x, temp)
+        xd = tl.math.div_rn(xd, temp)
     xd = tl.where(has_draft, xd, float("inf"))
 
     m = tl.max(x, 0)
@@ -146,7 +146,7 @@ def _accept_kernel(
     xd = tl.load(logits_ptr + b * stride_lb + offs_k * stride_lr + d, mask=is_pos, other=float("-inf"))
     xd = xd.to(tl.float32)
     if temp != 0.0:
-        xd = xd / temp
+        xd = tl.math.div_rn(xd, temp)
     pd = tl.exp(xd - lse)
     pmax = tl.exp(m - lse)
     # Per-request scalars broadcast to [K1_P2] before mixing with per-row booleans.
@@ -221,7 +221,7 @@ def _race_kernel(
         offs = c * TILE + tl.arange(0, TILE)
         msk = offs < V
         x = tl.load(logits_ptr + b * stride_lb + j * stride_lr + offs, mask=msk, other=float("-inf"))
-        p = tl.exp(x.to(tl.float32) / temp - lse)
+        p = tl.exp(tl.math.div_rn(x.to(tl.float32), temp) - lse)
         if HAS_Q:
             qmask = offs < tl.where(rejected, V, 0)  # the bonus row has q = 0
             q = tl.load(q_ptr + (b * K + jd) * V + offs, mask=qmask, other=0.0).to(tl.float32)
