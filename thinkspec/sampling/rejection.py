@@ -1,8 +1,9 @@
 """Acceptance of draft tokens: strict/relaxed greedy and lossless/relaxed sampling (torch reference).
 
 `rejection_sample` is the single call site: CUDA tensors go to the fused Triton kernels in
-`rejection_triton.py`, everything else (and any call with `use_triton=False`, or with the
-environment variable THINKSPEC_REJECTION_REFERENCE=1) to `rejection_sample_reference` below.
+`rejection_triton.py` when triton is installed; everything else (and any call with
+`use_triton=False`, or with THINKSPEC_REJECTION_REFERENCE=1 in the environment) goes to
+`rejection_sample_reference` below.
 
 Per request b and draft position i < num_draft_tokens[b], with x = logits (greedy, temperature 0)
 or logits / temperature (sampled; rows arrive already top-k/top-p filtered, -inf outside), p =
@@ -23,6 +24,7 @@ seed_offset), so its result does not depend on the rest of the batch; otherwise 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -57,7 +59,11 @@ def rejection_sample(
     the reference always checks them. `use_triton` forces the choice (None = by device).
     """
     if use_triton is None:
-        use_triton = target_logits.is_cuda and os.environ.get("THINKSPEC_REJECTION_REFERENCE", "0") != "1"
+        use_triton = (
+            target_logits.is_cuda
+            and os.environ.get("THINKSPEC_REJECTION_REFERENCE", "0") != "1"
+            and importlib.util.find_spec("triton") is not None
+        )
     if use_triton:
         from thinkspec.sampling.rejection_triton import rejection_sample_triton
 
