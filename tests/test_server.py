@@ -552,19 +552,23 @@ def test_toy_pair_speculative_relaxed_stream_matches():
     why = _toy_pair_ready()
     if why is not None:
         pytest.skip(why)
+    from thinkspec.toy.task import generate_samples
+
+    prompt = generate_samples(1, seed=20261130)[0].prompt  # "<|im_start|>user\n{question}<|im_end|>..."
+    question = prompt.removeprefix("<|im_start|>user\n").split("<|im_end|>")[0]
+    messages = [{"role": "user", "content": question}]
     spec = {"model": "toy-reasoner-draft", "num_speculative_tokens": 4, "relaxed_thinking": True}
     spec.update(relax_ratio=0.3, relax_top_k=3)
     with serve(
-        "toy-reasoner", "--device", "cpu", "--reasoning-parser", "deepseek_r1", "--served-model-name", MODEL,
+        "toy-reasoner", "--device", "cpu", "--reasoning-parser", "qwen3", "--served-model-name", MODEL,
         "--speculative-config", json.dumps(spec),
     ) as url:  # fmt: skip
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        messages = [{"role": "user", "content": "What is 12 + 7?"}]
-        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0.0)
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=160, temperature=0.0)
         msg = resp.choices[0].message
         chunks = list(
             client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=96, temperature=0.0, stream=True
+                model=MODEL, messages=messages, max_tokens=160, temperature=0.0, stream=True
             )
         )
         reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
