@@ -238,8 +238,13 @@ class OpenAIServing:
         starts_thinking: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        base = {"id": stream.request_id, "object": "chat.completion.chunk", "created": created}
-        base["model"] = self.config.served_model_name
+        model = self.config.served_model_name
+        base = {
+            "id": stream.request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -321,8 +326,8 @@ class OpenAIServing:
     async def _completion_stream(
         self, stream: RequestStream, created: int, params: SamplingParams, include_usage: bool
     ) -> AsyncIterator[str]:
-        base = {"id": stream.request_id, "object": "text_completion", "created": created}
-        base["model"] = self.config.served_model_name
+        model = self.config.served_model_name
+        base = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
 
         def chunk(piece: str, finish_reason: str | None = None) -> str:
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
