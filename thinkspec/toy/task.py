@@ -1,0 +1,385 @@
+"""Synthetic reasoning task: multi-step arithmetic word problems with reasoning-model traces.
+
+A problem is a running total: a start value followed by 1-3 operations (+, -, x) applied in
+order. The thinking trace works each operation column by column. Every number in the trace is
+a function of the text before it; the wording around the numbers is drawn uniformly from
+several near-equivalent phrasings (synonyms, connectives, optional checks, operand order), so
+a model trained on it has high-entropy forks on words and near-certainty on digits.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+OPS = ("+", "-", "x")
+MAX_VALUE = 9999  # every running total stays within four digits
+COLUMN_NAMES = ("ones", "tens", "hundreds", "thousands")
+
+NAMES = (
+    ("Mia", "she"), ("Leo", "he"), ("Ava", "she"), ("Sam", "he"), ("Zoe", "she"), ("Max", "he"),
+    ("Lily", "she"), ("Ben", "he"), ("Emma", "she"), ("Noah", "he"), ("Ella", "she"), ("Jack", "he"),
+)
+ITEMS = (
+    "apples", "stickers", "marbles", "coins", "books", "stamps",
+    "cards", "shells", "pencils", "beads", "cookies", "buttons",
+)
+
+CHAT_USER = "<|im_start|>user\n{content}<|im_end|>\n"
+CHAT_ASSISTANT_PROMPT = "<|im_start|>assistant\n"
+THINK_START, THINK_END, EOS = "<think>", "</think>", "<|im_end|>"
+
+
+@dataclass(slots=True)
+class Problem:
+    """A start value and the operations applied to it in order."""
+
+    start: int
+    ops: list[tuple[str, int]]
+    name: str
+    pronoun: str
+    item: str
+    question: str = ""
+
+    @property
+    def operands(self) -> list[int]:
+        return [self.start] + [b for _, b in self.ops]
+
+    def intermediates(self) -> list[int]:
+        """Running totals after each operation."""
+        out, v = [], self.start
+        for op, b in self.ops:
+            v = apply_op(v, op, b)
+            out.append(v)
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.intermediates()[-1]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One training/eval example: prompt text, completion text and where the forks are."""
+
+    problem: Problem
+    prompt: str  # chat-formatted, ends with the assistant header
+    thinking: str  # text between "<think>\n" and "\n</think>"
+    answer_text: str  # text after "</think>\n\n", before the end-of-turn token
+    # Character offsets into `completion` where a uniform wording choice starts, and its option count.
+    forks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def completion(self) -> str:
+        return f"{THINK_START}\n{self.thinking}\n{THINK_END}\n\n{self.answer_text}{EOS}"
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.completion
+
+
+def apply_op(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "x":
+        return a * b
+    raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def generate_problem(rng: random.Random, min_operands: int = 2, max_operands: int = 4) -> Problem:
+    """Draw a problem whose running total stays in [1, MAX_VALUE]; +/- operands have 2-3 digits."""
+    if not 2 <= min_operands <= max_operands <= 4:
+        raise ValueError(
+            f"need 2 <= min_operands <= max_operands <= 4, got min_operands={min_operands}, "
+            f"max_operands={max_operands}"
+        )
+    n_ops = rng.randint(min_operands, max_operands) - 1
+    start = rng.randint(10, 999)
+    ops: list[tuple[str, int]] = []
+    v = start
+    for _ in range(n_ops):
+        allowed = []
+        if v + 10 <= MAX_VALUE:
+            allowed.append("+")
+        if v >= 20:
+            allowed.append("-")
+        if v <= 999 and v * 2 <= MAX_VALUE:
+            allowed.append("x")
+        op = rng.choice(allowed)
+        if op == "+":
+            b = rng.randint(10, min(999, MAX_VALUE - v))
+        elif op == "-":
+            b = rng.randint(10, min(999, v - 1))
+        else:
+            b = rng.randint(2, min(9, MAX_VALUE // v))
+        ops.append((op, b))
+        v = apply_op(v, op, b)
+    name, pronoun = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    p = Problem(start=start, ops=ops, name=name, pronoun=pronoun, item=item)
+    p.question = _question(p, rng)
+    return p
+
+
+def _question(p: Problem, rng: random.Random) -> str:
+    he, item = p.pronoun.capitalize(), p.item
+    parts = [f"{p.name} has {p.start} {item}."]
+    for i, (op, b) in enumerate(p.ops):
+        then = "Then " if i else ""
+        subj = he.lower() if i else he
+        if op == "+":
+            verb = rng.choice(("gets", "buys", "finds"))
+            parts.append(f"{then}{subj} {verb} {b} more.")
+        elif op == "-":
+            verb = rng.choice(("gives away", "loses", "sells"))
+            parts.append(f"{then}{subj} {verb} {b}.")
+        else:
+            parts.append(f"{then}{subj} ends up with {b} times as many.")
+    parts.append(f"How many {item} does {p.name} have now?")
+    return " ".join(parts)
+
+
+def chat_prompt(question: str) -> str:
+    """The Qwen3 chat format for one user turn plus the assistant header (thinking on)."""
+    return CHAT_USER.format(content=question) + CHAT_ASSISTANT_PROMPT
+
+
+class _Writer:
+    """Accumulates trace text and records where each uniform wording choice begins."""
+
+    def __init__(self, rng: random.Random, offset: int) -> None:
+        self.rng = rng
+        self.parts: list[str] = []
+        self.pos = offset
+        self.forks: list[tuple[int, int]] = []
+
+    def put(self, text: str) -> None:
+        self.parts.append(text)
+        self.pos += len(text)
+
+    def choose(self, *options: str) -> str:
+        """Uniform choice among phrasings whose first tokens differ; never decides a digit."""
+        self.forks.append((self.pos, len(options)))
+        s = self.rng.choice(options)
+        self.put(s)
+        return s
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _digits(n: int) -> list[int]:
+    """Decimal digits, ones first."""
+    return [int(c) for c in reversed(str(n))]
+
+
+def _column_head(w: _Writer, j: int) -> None:
+    col = COLUMN_NAMES[j]
+    w.choose(f"{col.capitalize()}:", f"In the {col} column,", f"For the {col},", f"Now the {col}:")
+
+
+def _equals(w: _Writer) -> None:
+    w.choose(" =", " gives", " makes", " is")
+
+
+_OP_WORDS = {"+": (" +", " plus", " and", " added to"), "-": (" -", " minus", " take away", " less"),
+             "x": (" x", " times", " multiplied by", " *")}
+
+
+def _op_word(w: _Writer, op: str) -> None:
+    w.choose(*_OP_WORDS[op])
+
+
+def _write_and_carry(w: _Writer, digit: int, carry: int) -> None:
+    w.put(",")
+    w.choose(" write", " keep", " put down", " note")
+    w.put(f" {digit}")
+    w.choose(f" and carry {carry}", f" with a carry of {carry}", f" carrying {carry}", f", carry {carry}")
+
+
+def _add_columns(w: _Writer, a: int, b: int) -> None:
+    da, db = _digits(a), _digits(b)
+    n = max(len(da), len(db))
+    carry = 0
+    for j in range(n):
+        x = da[j] if j < len(da) else 0
+        y = db[j] if j < len(db) else 0
+        s = x + y + carry
+        w.put("\n")
+        _column_head(w, j)
+        w.put(f" {x}")
+        _op_word(w, "+")
+        w.put(f" {y}" + (f" + {carry}" if carry else ""))
+        _equals(w)
+        w.put(f" {s}")
+        if s >= 10 and j < n - 1:
+            _write_and_carry(w, s % 10, 1)
+            carry = 1
+        else:
+            carry = 0
+        w.put(".")
+
+
+def _sub_columns(w: _Writer, a: int, b: int) -> None:
+    da, db = _digits(a), _digits(b)
+    borrow = 0
+    for j in range(len(da)):
+        x = da[j]
+        y = db[j] if j < len(db) else 0
+        tail = " - 1" if borrow else ""
+        w.put("\n")
+        _column_head(w, j)
+        w.put(f" {x}")
+        _op_word(w, "-")
+        w.put(f" {y}{tail}")
+        if x - y - borrow < 0:
+            w.choose(" is negative", " goes below zero", " does not work", " cannot be done")
+            w.put(", so")
+            w.choose(" borrow:", " I borrow:", " take 1 from the next column:", " we borrow:")
+            w.put(f" 1{x} - {y}{tail}")
+            _equals(w)
+            w.put(f" {10 + x - y - borrow}.")
+            borrow = 1
+        else:
+            _equals(w)
+            w.put(f" {x - y - borrow}.")
+            borrow = 0
+
+
+def _mul_columns(w: _Writer, a: int, f: int) -> None:
+    da = _digits(a)
+    carry = 0
+    for j, x in enumerate(da):
+        w.put("\n")
+        _column_head(w, j)
+        w.put(f" {x}")
+        _op_word(w, "x")
+        w.put(f" {f}")
+        _equals(w)
+        w.put(f" {x * f}")
+        q = x * f + carry
+        if carry:
+            w.put(",")
+            w.choose(" plus", " adding", " and with", " then adding")
+            w.put(f" the carry {carry}")
+            w.choose(" is", " that is", " we get", " which makes")
+            w.put(f" {q}")
+        if q >= 10 and j < len(da) - 1:
+            _write_and_carry(w, q % 10, q // 10)
+            carry = q // 10
+        else:
+            carry = 0
+        w.put(".")
+
+
+_ORDINALS = (
+    ("First", "To start", "Step one", "Initially"),
+    ("Next", "Then", "After that", "Now"),
+    ("Finally", "Last", "And finally", "In the end"),
+)
+
+
+def _step(w: _Writer, p: Problem, i: int, a: int, op: str, b: int) -> int:
+    r = apply_op(a, op, b)
+    last = i == len(p.ops) - 1
+    ordinals = _ORDINALS[0] if i == 0 else _ORDINALS[2] if last else _ORDINALS[1]
+    w.put("\n\n")
+    w.choose(*ordinals)
+    w.put(",")
+    w.choose(f" {p.pronoun}", f" {p.name}")
+    if op == "+":
+        w.choose(" gets", " adds", " gains", " receives")
+        w.put(f" {b} more, so")
+        # The wording fixes the operand order before any digit is written.
+        form = w.choose(" we need", " that is", " I add", " let me do")
+        w.put(f" {b} to {a}." if form == " I add" else f" {a} + {b}.")
+        _add_columns(w, a, b)
+    elif op == "-":
+        w.choose(" gives away", " loses", " removes", " uses up")
+        w.put(f" {b}, so")
+        form = w.choose(" we need", " that is", " I take", " let me do")
+        w.put(f" {b} from {a}." if form == " I take" else f" {a} - {b}.")
+        _sub_columns(w, a, b)
+    else:
+        w.choose(" ends up with", " gets", " has", " now has")
+        w.put(f" {b} times as many, so")
+        form = w.choose(" we need", " that is", " I multiply", " let me do")
+        w.put(f" {a} by {b}." if form == " I multiply" else f" {a} x {b}.")
+        _mul_columns(w, a, b)
+    w.put("\n")
+    sym = {"+": "+", "-": "-", "x": "x"}[op]
+    summary = w.choose("So", "That gives", "This makes", "The result is")
+    if summary == "So":
+        w.put(f" {a} {sym} {b} = {r}.")
+    else:
+        w.put(f" {r}.")
+    # Optional verification by the inverse operation; "" (no check) is one of the options.
+    inverse = {"+": f"{r} - {b} = {a}", "-": f"{r} + {b} = {a}", "x": f"{r} / {b} = {a}"}[op]
+    check = w.choose("", " Wait,", " Let me double-check:", " Checking:")
+    if check == " Wait,":
+        w.choose(" is that right?", " let me check that.", " does it add up?")
+        w.put(f" {inverse}, so")
+        w.choose(" it checks out.", " that is correct.", " yes.")
+    elif check:
+        w.put(f" {inverse}.")
+        w.choose(" Yes.", " Right.", " Good.", " Correct.")
+    return r
+
+
+def render_sample(p: Problem, rng: random.Random) -> Sample:
+    """Write the chat prompt, thinking trace and final answer for a problem."""
+    prompt = chat_prompt(p.question)
+    w = _Writer(rng, offset=len(THINK_START) + 1)
+    w.choose("Okay", "Alright", "So", "Hmm")
+    w.put(",")
+    w.choose(" let me", " I need to", " we want to", " the goal is to")
+    w.choose(" work out", " figure out", " find", " count")
+    w.put(f" how many {p.item} {p.name}")
+    w.choose(" has at the end.", " ends up with.", " is left with.", " gets in the end.")
+    w.put("\n")
+    w.choose(p.name, p.pronoun.capitalize(), f"At first {p.pronoun}", f"Initially {p.pronoun}")
+    w.choose(" starts with", " begins with", " has", " owns")
+    w.put(f" {p.start} {p.item}.")
+    v = p.start
+    for i, (op, b) in enumerate(p.ops):
+        v = _step(w, p, i, v, op, b)
+    w.put("\n\n")
+    w.choose("So", "Therefore", "That means", "Overall")
+    w.put(f" {p.name}")
+    w.choose(" has", " ends up with", " is left with")
+    w.put(f" {v} {p.item}.")
+    answer = f"{p.name} ends up with {v} {p.item}.\n\n**Answer:** {v}"
+    return Sample(problem=p, prompt=prompt, thinking=w.text(), answer_text=answer, forks=w.forks)
+
+
+def generate_samples(n: int, seed: int, min_operands: int = 2, max_operands: int = 4) -> list[Sample]:
+    """`n` samples from one seeded stream (problem and wording drawn from the same RNG)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [render_sample(generate_problem(rng, min_operands, max_operands), rng) for _ in range(n)]
+
+
+_ANSWER_RE = re.compile(r"\*\*Answer:\*\*\s*(-?\d+)")
+_INT_RE = re.compile(r"-?\d+")
+
+
+def extract_answer(completion: str) -> int | None:
+    """Final answer from a completion: `**Answer:** N` after `</think>`, else its last integer."""
+    if THINK_END in completion:
+        completion = completion.rsplit(THINK_END, 1)[1]
+    elif THINK_START in completion:
+        return None  # still thinking: no answer was given
+    m = _ANSWER_RE.findall(completion)
+    if m:
+        return int(m[-1])
+    nums = _INT_RE.findall(completion)
+    return int(nums[-1]) if nums else None
+
+
+def grade(completion: str, problem: Problem) -> bool:
+    """True iff the completion's final answer equals the problem's answer."""
+    return extract_answer(completion) == problem.answer
