@@ -119,6 +119,7 @@ class BlockManager:
                 block.ref_count += 1
                 seq.block_table.append(block_id)
             seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
+            seq.num_draft_computed_tokens = seq.num_computed_tokens
             seq.num_hashed_blocks = len(computed_blocks)
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
@@ -128,7 +129,7 @@ class BlockManager:
         (after any rollback), so only committed tokens are ever hashed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(seq.num_kv_complete_tokens // self.block_size, len(seq.block_table))
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self._block_hashes(seq, num_full)

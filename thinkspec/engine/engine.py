@@ -257,6 +257,7 @@ class LLMEngine:
                 "parser (speculative_config with reasoning_parser or think_start/end tokens)"
             )
         seq = Sequence(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        seq.has_draft = self.draft_model is not None
         if self.reasoning is not None:
             seq.thinking = self.reasoning.initial_phase(token_ids)
         self.scheduler.add(seq)

@@ -54,6 +54,7 @@ class Sequence:
     # Speculative decoding: tokens whose K/V the draft model holds (never more than the target's),
     # and the reasoning phase after the committed tokens (True = inside <think>).
     num_draft_computed_tokens: int = 0
+    has_draft: bool = False
     thinking: bool = False
     metrics: RequestMetrics = field(init=False)
 
@@ -67,6 +68,14 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_kv_complete_tokens(self) -> int:
+        """Leading tokens whose K/V every model of the engine has written (what a prefix-cache block
+        must hold before another request may reuse it)."""
+        if self.has_draft:
+            return min(self.num_computed_tokens, self.num_draft_computed_tokens)
+        return self.num_computed_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,360 @@
+"""Speculative decoding in the engine, end to end on tiny random-weight checkpoints (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import END_THINK_ID, THINK_ID, build_tokenizer, hf_logits, tiny_checkpoint
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from thinkspec import LLM, SamplingParams
+
+K = 4
+
+
+def _noisy_copy(src: Path, dst: Path, noise: float, seed: int = 7) -> Path:
+    """A draft that is the target plus weight noise: it agrees often, not always."""
+    if dst.exists():
+        return dst
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def target() -> Path:
+    return tiny_checkpoint("qwen3", tied=True)
+
+
+@pytest.fixture(scope="module")
+def draft(target: Path, tmp_path_factory) -> Path:
+    return _noisy_copy(target, tmp_path_factory.mktemp("draft") / "noisy", 0.05)
+
+
+def _assert_blocks_free(llm: LLM) -> None:
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# ---- lossless ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eos_target(target: Path, tmp_path_factory) -> Path:
+    """The target with an EOS id the model actually emits, so EOS stops happen mid-run."""
+    dst = tmp_path_factory.mktemp("eos") / "target"
+    shutil.copytree(target, dst)
+    cfg_path = dst / "generation_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token_id"] = [118]  # 'v': frequent in this model's greedy outputs
+    cfg_path.write_text(json.dumps(cfg))
+    return dst
+
+
+def _mixed_batch() -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [
+        [72, 105, 33, THINK_ID],
+        [65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, THINK_ID],
+        [97],
+        [70, 71, THINK_ID, 10, 11, END_THINK_ID],
+        [88, 89, 90, 91, 92, 93, 94, 95] * 5,
+        [74, 105, 35, THINK_ID],
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[214]),
+        SamplingParams(temperature=0, max_tokens=33),  # EOS (118) mid-output
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop=["KKK"]),
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40),
+    ]
+    return prompts, params
+
+
+SPEC_CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "draft": {"num_speculative_tokens": K},
+    "draft_relaxed_ratio1_topk1": {
+        "num_speculative_tokens": K,
+        "reasoning_parser": "qwen3",
+        "relaxed_thinking": True,
+        "relax_ratio": 1.0,
+        "relax_top_k": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
+    prompts, params = _mixed_batch()
+    kv = 9 * 2 * (2 * 2 * 16 * 2 * 32 * 4)  # 9 blocks of target + draft: forces preemption
+    plain = LLM(eos_target, device="cpu", kv_cache_memory=kv // 2, max_num_batched_tokens=24)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    cfg = dict(SPEC_CONFIGS[name])
+    if cfg.get("method") != "ngram":
+        cfg["model"] = str(draft)
+    else:
+        kv //= 2  # no draft pool
+    spec = LLM(
+        eos_target, device="cpu", kv_cache_memory=kv, max_num_batched_tokens=24, speculative_config=cfg
+    )
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    stops = [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in expected]
+    assert stops[:4] == [("stop", 214), ("stop", None), ("length", None), ("stop", "KKK")]
+    assert spec.llm_engine.num_preemptions > 0
+    metrics = spec.last_spec_metrics
+    assert metrics is not None and metrics.total.num_drafts > 0
+    assert metrics.total.num_accepted_tokens > 0
+    assert metrics.total.num_relaxed_accepted_tokens == 0
+    assert all(o.metrics.spec_decode is not None for o in got if len(o.outputs[0].token_ids) > 1)
+    _assert_blocks_free(spec)
+
+
+def test_self_draft_accepts_everything(target):
+    llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K})
+    sp = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+    llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
+    m = llm.last_spec_metrics
+    # 40 tokens after the prefill token: 8 rounds of k + 1, every draft accepted.
+    assert m.total.num_draft_tokens == m.total.num_accepted_tokens == 2 * 8 * K
+    assert m.mean_acceptance_length() == K + 1
+
+
+# ---- sampling keeps the target's distribution ---------------------------------------------------
+
+
+def _exact_second_token_distribution(path: Path, prompt: list[int]) -> np.ndarray:
+    """P(x2 | prompt) = sum_x1 P(x1) P(x2 | prompt, x1), with transformers' own model, float64."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        p1 = model(ids).logits[0, -1].double().softmax(-1)  # [V]
+        vocab = p1.shape[0]
+        batch = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = model(batch).logits[:, -1].double().softmax(-1)  # [V, V]
+    return (p1[:, None] * p2).sum(0).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_seeded_sampling_keeps_target_distribution(method, target, draft):
+    # Most tokens occur in the prompt, so the n-gram proposer finds a continuation for most x1.
+    prompt = [72, 105, 33, *range(34, 250), 72, 105]
+    expected = _exact_second_token_distribution(target, prompt)
+    cfg = (
+        {"model": str(draft), "num_speculative_tokens": K}
+        if method == "draft"
+        else {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    )
+    llm = LLM(target, device="cpu", max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=cfg)
+    n = 3000
+    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    second = np.array([o.outputs[0].token_ids[1] for o in outs])
+    m = llm.last_spec_metrics
+    assert m.total.num_draft_tokens > 0  # the second token went through verification
+    assert m.total.num_accepted_tokens > 0
+    observed = np.bincount(second, minlength=expected.shape[0]).astype(float)
+    # Merge the rare tokens into one bin so every expected count is >= 5.
+    common = expected * n >= 5
+    obs = np.append(observed[common], observed[~common].sum())
+    exp = np.append(expected[common], expected[~common].sum()) * n
+    p_value = chisquare(obs, exp).pvalue
+    assert p_value > 1e-3, p_value
+    # Same seeds, same outputs: the run is reproducible request by request.
+    again = llm.generate([prompt] * 8, params[:8], use_tqdm=False)
+    assert _tokens(again) == _tokens(outs[:8])
+
+
+# ---- relaxed acceptance -------------------------------------------------------------------------
+
+RELAXED = {"relaxed_thinking": True, "relax_ratio": 0.1, "relax_top_k": 8}
+
+
+def test_relaxation_raises_thinking_acceptance_and_keeps_answers_strict(target, draft):
+    thinking = [[72 + i, 105, 33 + i, THINK_ID] for i in range(4)]
+    answering = [[70 + i, 71, THINK_ID, 10, 11, END_THINK_ID, 10] for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # Answers end where the model would open a new think block (it may; the phase would follow).
+    sp_answer = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[THINK_ID])
+    params = [sp] * len(thinking) + [sp_answer] * len(answering)
+    base = {"model": str(draft), "num_speculative_tokens": K, "reasoning_parser": "qwen3"}
+    strict = LLM(target, device="cpu", speculative_config=base)
+    relaxed = LLM(target, device="cpu", speculative_config={**base, **RELAXED})
+    strict_out = strict.generate(thinking + answering, params, use_tqdm=False)
+    relaxed_out = relaxed.generate(thinking + answering, params, use_tqdm=False)
+    s, r = strict.last_spec_metrics, relaxed.last_spec_metrics
+    assert r.mean_acceptance_length("thinking") >= 1.3 * s.mean_acceptance_length("thinking")
+    assert r.phase("thinking").num_relaxed_accepted_tokens > 0
+    assert r.phase("answer").num_drafts > 0
+    assert r.phase("answer").num_relaxed_accepted_tokens == 0
+    # Prompts that closed the think block decode the answer strictly: identical to strict.
+    assert _tokens(relaxed_out[len(thinking) :]) == _tokens(strict_out[len(thinking) :])
+    assert _tokens(relaxed_out[: len(thinking)]) != _tokens(strict_out[: len(thinking)])
+
+
+def test_answer_after_relaxed_thinking_equals_strict_continuation(target, draft):
+    """With '</think>' played by a token the model emits, the answer that follows a relaxed
+    thought is exactly what strict greedy decoding produces from that same thinking prefix."""
+    end = 118  # 'v'
+    end_text = build_tokenizer().convert_ids_to_tokens(end)
+    cfg = {
+        "model": str(draft),
+        "num_speculative_tokens": K,
+        "think_start_token": "<think>",
+        "think_end_token": end_text,
+        **RELAXED,
+    }
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(8)]
+    max_tokens = 40
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    relaxed = LLM(target, device="cpu", speculative_config=cfg)
+    outs = relaxed.generate(prompts, sp, use_tqdm=False)
+    m = relaxed.last_spec_metrics
+    assert m.phase("thinking").num_relaxed_accepted_tokens > 0
+    assert m.phase("answer").num_drafts > 0 and m.phase("answer").num_relaxed_accepted_tokens == 0
+    plain = LLM(target, device="cpu")
+    checked = 0
+    for prompt, out in zip(prompts, outs):
+        ids = out.outputs[0].token_ids
+        if end not in ids[:-1]:
+            continue
+        cut = ids.index(end) + 1
+        cont = plain.generate(
+            [prompt + ids[:cut]],
+            SamplingParams(temperature=0, max_tokens=max_tokens - cut, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        assert cont.outputs[0].token_ids == ids[cut:]
+        checked += 1
+    assert checked >= 2
+
+
+class _ScriptedProposer:
+    """Proposes fixed drafts for the first round, then copies of the last token (valid ids)."""
+
+    def __init__(self, first: list[int], k: int) -> None:
+        self.first, self.k, self.rounds = first, k, 0
+
+    def propose(self, seqs, num_new_tokens, spec_index, num_drafts):
+        drafts = torch.full((len(spec_index), self.k), -1, dtype=torch.long)
+        for b, i in enumerate(spec_index):
+            row = self.first if self.rounds == 0 else [seqs[i].last_token_id] * self.k
+            drafts[b, : num_drafts[b]] = torch.tensor(row[: num_drafts[b]])
+        self.rounds += bool(spec_index)
+        return drafts, None
+
+
+def test_think_end_drafted_mid_window_makes_later_positions_strict(target):
+    """End to end: after the prefill token, one verify window [a, e, y, y] where a e are the target's
+    greedy tokens and y is its second choice after them. With e as the think-end marker, y is
+    verified strictly and rejected; with a marker outside the window, y passes the relaxed test
+    (ratio 0, top-k 2) and is accepted."""
+    base_prompt = [72, 105, 33, THINK_ID]
+    plain = LLM(target, device="cpu")
+    g = plain.generate([base_prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    g = g.outputs[0].token_ids
+    # e = g[j]: a printable ASCII token (a one-token marker text) not seen before it.
+    j = next(j for j in range(2, len(g) - 1) if 33 <= g[j] <= 126 and g[j] not in base_prompt + g[:j])
+    prompt = base_prompt + g[: j - 2]  # the prefill step then emits g[j-2]; the window is g[j-1], g[j], ...
+    y = int(hf_logits(target, base_prompt + g[: j + 1])[-1].topk(2).indices[1])  # 2nd choice after e
+    assert y != g[j + 1]
+    tok = build_tokenizer()
+    outside = next(t for t in range(33, 127) if t not in prompt + g[: j + 2] + [y])
+    results = {}
+    for marker in (g[j], outside):
+        cfg = {
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "think_start_token": "<think>",
+            "think_end_token": tok.convert_ids_to_tokens(marker),
+            "relaxed_thinking": True,
+            "relax_ratio": 0.0,
+            "relax_top_k": 2,
+        }
+        llm = LLM(target, device="cpu", speculative_config=cfg)
+        llm.llm_engine.speculator.proposer = _ScriptedProposer([g[j - 1], g[j], y, y], K)
+        # max_tokens = 5: the prefill token, then one verify round of 3 drafts (+ bonus/correction).
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+        results[marker] = (out.outputs[0].token_ids, llm.last_spec_metrics)
+    ids_marker, m_marker = results[g[j]]
+    ids_control, m_control = results[outside]
+    assert m_marker.total.num_drafts == m_control.total.num_drafts == 1
+    assert m_marker.total.num_accepted_tokens_per_pos[:3] == [1, 1, 0]  # strict after the marker
+    assert ids_marker[:4] == g[j - 2 : j + 2]  # y rejected: the target's own token emitted instead
+    assert m_control.total.num_accepted_tokens_per_pos[:3] == [1, 1, 1]  # relaxed test accepted y
+    assert ids_control[:4] == [*g[j - 2 : j + 1], y]
+    assert m_control.phase("thinking").num_relaxed_accepted_tokens >= 1
+    assert m_marker.total.num_relaxed_accepted_tokens == 0
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def test_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    from checkpoints import make_tiny_checkpoint
+
+    wide = make_tiny_checkpoint(tmp_path / "wide", "qwen3", tied=True, vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size 300"):
+        LLM(target, device="cpu", speculative_config={"model": str(wide), "num_speculative_tokens": 2})
+    other_tok = tmp_path / "other_tok"
+    shutil.copytree(target, other_tok)
+    cfg_path = other_tok / "tokenizer.json"
+    data = json.loads(cfg_path.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|im_end|>"]
+    cfg_path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="draft"):
+        LLM(target, device="cpu", speculative_config={"model": str(other_tok), "num_speculative_tokens": 2})
+
+
+def test_per_request_relaxation_overrides(target, draft):
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(4)]
+    cfg = {"model": str(draft), "num_speculative_tokens": K, "reasoning_parser": "qwen3"}
+    llm = LLM(target, device="cpu", speculative_config=cfg)  # relaxation off by default
+    strict = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    relaxed = SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, relaxed_thinking=True, relax_ratio=0.1, relax_top_k=8
+    )
+    outs = llm.generate(prompts, [strict, relaxed, strict, relaxed], use_tqdm=False)
+    relaxed_counts = [o.metrics.spec_decode.total.num_relaxed_accepted_tokens for o in outs]
+    assert relaxed_counts[0] == relaxed_counts[2] == 0
+    assert relaxed_counts[1] > 0 and relaxed_counts[3] > 0
+    assert llm.last_spec_metrics.total.num_relaxed_accepted_tokens == sum(relaxed_counts)
+
+    no_parser = LLM(
+        target, device="cpu", speculative_config={"model": str(draft), "num_speculative_tokens": K}
+    )
+    outs = no_parser.generate([prompts[0], prompts[1]], [relaxed, strict], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "relaxed_thinking" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 30
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_synthetic_acceptance_rate(target, draft, rate):
+    cfg = {"model": str(draft), "num_speculative_tokens": K, "synthetic_acceptance_rate": rate}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    llm.generate(
+        [[72, 105, 33]] * 3, SamplingParams(temperature=0, max_tokens=41, ignore_eos=True), use_tqdm=False
+    )
+    m = llm.last_spec_metrics.total
+    assert m.num_drafts > 0
+    assert m.num_accepted_tokens == (m.num_draft_tokens if rate == 1.0 else 0)
+    assert llm.last_spec_metrics.mean_acceptance_length() == (K + 1 if rate == 1.0 else 1.0)
