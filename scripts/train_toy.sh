@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains the toy reasoner pair (target + draft variants), measures it, and packs the results.
 # Meant for one GPU; every knob below can be overridden from the environment (the CPU smoke
-# settings shrink them). Results land in $OUT: target.tar.part-*, drafts.tar, logs, analysis.json.
+# settings shrink them; TARGET_DIR skips the target). Results land in $OUT: target.tar.part-*,
+# drafts.tar, logs, analysis.json.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -16,10 +17,15 @@ DRAFTS=${DRAFTS:-"d3-1200:3:160:5:32:480:1200 d3-400:3:160:5:32:480:400 d3-150:3
 TARGET_SIZE=${TARGET_SIZE:-""}  # e.g. "--hidden-size 64 --num-layers 2" for smoke runs
 mkdir -p "$OUT" "$WORK"
 
-$PY -m thinkspec.toy.train --role target --out "$WORK/target" $TARGET_SIZE --steps "$T_STEPS" \
-  --time-budget-s "$T_BUDGET" --batch-size "$T_BATCH" --seq-len "$SEQ" --samples "$T_SAMPLES" \
-  --lr 1e-3 --seed "$SEED" 2>&1 | tee "$OUT/train_target.log"
-tar -C "$WORK" -cf - target | split -b 15M - "$OUT/target.tar.part-"
+if [ -n "${TARGET_DIR:-}" ]; then
+  # Drafts only: reuse a trained target (e.g. thinkspec/assets/toy-reasoner/target).
+  rm -rf "$WORK/target" && cp -r "$TARGET_DIR" "$WORK/target"
+else
+  $PY -m thinkspec.toy.train --role target --out "$WORK/target" $TARGET_SIZE --steps "$T_STEPS" \
+    --time-budget-s "$T_BUDGET" --batch-size "$T_BATCH" --seq-len "$SEQ" --samples "$T_SAMPLES" \
+    --lr 1e-3 --seed "$SEED" 2>&1 | tee "$OUT/train_target.log"
+  tar -C "$WORK" -cf - target | split -b 15M - "$OUT/target.tar.part-"
+fi
 
 names=()
 for spec in $DRAFTS; do

@@ -8,7 +8,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-from thinkspec.toy.analyze import Relax, TokenIds, speculative_generate, teacher_forced_acceptance
+from thinkspec.toy.analyze import (
+    Relax,
+    TokenIds,
+    fork_agreement,
+    format_table,
+    speculative_generate,
+    teacher_forced_acceptance,
+)
 from thinkspec.toy.task import chat_prompt, generate_samples
 from thinkspec.toy.tokenizer import build_task_tokenizer, save_tokenizer
 from thinkspec.toy.train import IGNORE, ModelSize, TrainConfig, build_pool, lr_at, make_config, pack, run
@@ -155,3 +162,28 @@ def test_relaxed_acceptance_bounds(pair):
     assert st0.mean_acceptance_length("thinking") > st.mean_acceptance_length("thinking")
     # Only thinking-phase, non-protected drafts may be relaxed; outputs still end at EOS or the cap.
     assert all(len(o) <= 24 for o in loose)
+
+
+def test_fork_agreement_splits_forks_from_determined_tokens(pair):
+    tok, target, draft, _, _ = pair
+    samples = generate_samples(4, seed=31)
+    self_agree = fork_agreement(target, target, tok, samples)
+    assert self_agree["fork_agreement"] == 1.0 and self_agree["determined_agreement"] == 1.0
+    assert 0.15 <= self_agree["data_fork_share"] <= 0.3
+    other = fork_agreement(target, draft, tok, samples)
+    assert other["data_fork_share"] == self_agree["data_fork_share"]
+    assert 0 <= other["fork_agreement"] <= 1 and other["determined_agreement"] < 1
+    assert 0 < other["target_top1_at_forks"] <= 1
+
+
+def test_format_table_names_every_draft():
+    result = {"n_problems": 2, "k": 4,
+              "target": {"accuracy": 1.0, "fork_fraction": 0.2, "thinking_token_share": 0.9},
+              "drafts": [{"path": "d1", "params": 1_100_000,
+                          "agreement": {"fork_agreement": 0.3, "determined_agreement": 0.9},
+                          "strict": {"thinking_al": 2.5},
+                          "relaxed": [{"ratio": 0.3, "top_k": 3, "thinking_al": 3.5, "accuracy": 1.0},
+                                      {"ratio": 0.3, "top_k": 4, "skipped": "time budget"}]}]}
+    table = format_table(result)
+    assert "d1 | 1.10M | 0.30/0.90 | 2.50 | (0.3, 3): 3.50, x1.40, 1.000" in table
+    assert "(0.3, 4)" not in table

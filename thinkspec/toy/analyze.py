@@ -9,7 +9,9 @@ cache), which is simple and exact. It reports what the engine's quality gates ne
   greedy trajectory, which is exact for greedy strict verification);
 - relaxed acceptance (DESIGN.md's greedy relaxed rule, thinking phase only, protected tokens
   never relaxed), simulated round by round along the path the accepted drafts take, with the
-  accuracy of the answers that path produces.
+  accuracy of the answers that path produces;
+- draft/target top-1 agreement on reference traces, split into the data's wording forks and the
+  determined tokens (where a draft's strict rejections come from).
 
     python -m thinkspec.toy.analyze --target DIR --draft DIR [--draft DIR2 ...] --n 500 --json out.json
 """
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from thinkspec.toy.task import Problem, chat_prompt, generate_problem, grade
+from thinkspec.toy.task import Problem, Sample, chat_prompt, generate_problem, generate_samples, grade
 from thinkspec.toy.tokenizer import THINK_END, THINK_START
 
 
@@ -226,6 +228,44 @@ def teacher_forced_acceptance(draft: torch.nn.Module, prompts: list[list[int]], 
     return stats
 
 
+@torch.no_grad()
+def fork_agreement(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                   samples: list[Sample]) -> dict[str, float]:
+    """Teacher-forced top-1 agreement of draft and target on reference traces, split by token kind.
+
+    "fork" tokens start a uniform wording choice of the data (known from the generator), the rest of
+    the thinking tokens are "determined". Also returns the target's mean top-1 probability at forks.
+    """
+    dev = next(target.parameters()).device
+    hits = {"fork": 0, "determined": 0}
+    counts = {"fork": 0, "determined": 0}
+    top1_at_forks: list[float] = []
+    for s in samples:
+        enc = tokenizer(s.completion, add_special_tokens=False, return_offsets_mapping=True)
+        prompt = tokenizer(s.prompt, add_special_tokens=False)["input_ids"]
+        x = torch.tensor([prompt + enc["input_ids"]], device=dev)  # [1, L]
+        starts = {a: i for i, (a, _) in enumerate(enc["offset_mapping"])}
+        forks = {starts[off] for off, m in s.forks if m >= 3 and off in starts}
+        begin, end = len(THINK_START) + 1, s.completion.index(THINK_END)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            lt = target(input_ids=x).logits[0, len(prompt) - 1:-1].float()  # [C, V]: rows predict completion
+            ld = draft(input_ids=x).logits[0, len(prompt) - 1:-1].float()
+        agree = (lt.argmax(-1) == ld.argmax(-1)).tolist()
+        pmax = lt.softmax(-1).max(-1).values.tolist()
+        for i, (a, b) in enumerate(enc["offset_mapping"]):
+            if a < begin or b > end:
+                continue
+            key = "fork" if i in forks else "determined"
+            hits[key] += agree[i]
+            counts[key] += 1
+            if key == "fork":
+                top1_at_forks.append(pmax[i])
+    return {"fork_agreement": hits["fork"] / max(1, counts["fork"]),
+            "determined_agreement": hits["determined"] / max(1, counts["determined"]),
+            "data_fork_share": counts["fork"] / max(1, counts["fork"] + counts["determined"]),
+            "target_top1_at_forks": sum(top1_at_forks) / max(1, len(top1_at_forks))}
+
+
 def _initial_phase(prompt: list[int], ids: TokenIds) -> bool:
     for t in reversed(prompt):
         if t in (ids.think_start, ids.think_end):
@@ -244,7 +284,8 @@ def load(path: str, device: torch.device) -> torch.nn.Module:
 
 def analyze(target_path: str, draft_paths: list[str], n: int = 500, seed: int = 20261130, k: int = 4,
             relax: list[Relax] | None = None, max_new_tokens: int = 512, device: str | None = None,
-            batch_size: int = 512, time_budget_s: float | None = None, log=print) -> dict:
+            batch_size: int = 512, time_budget_s: float | None = None, agreement_samples: int = 50,
+            log=print) -> dict:
     """All measurements for one target and one or more drafts; returns a JSON-able dict.
 
     Relaxed simulations are skipped (and marked so) once `time_budget_s` has passed.
@@ -281,11 +322,12 @@ def analyze(target_path: str, draft_paths: list[str], n: int = 500, seed: int = 
         draft = load(dp, dev)
         t0 = time.time()
         st = teacher_forced_acceptance(draft, prompts, outs, ids, k=k, batch_size=batch_size)
+        agreement = fork_agreement(target, draft, tok, generate_samples(agreement_samples, seed + 1))
         n_params = sum(p.numel() for p in {id(p): p for p in draft.parameters()}.values())
         entry = {"path": dp, "params": n_params,
                  "strict": {"thinking_al": st.mean_acceptance_length("thinking"),
                             "answer_al": st.mean_acceptance_length("answer")},
-                 "relaxed": []}
+                 "agreement": agreement, "relaxed": []}
         for r in relax:
             if time_budget_s is not None and time.time() - start > time_budget_s:
                 entry["relaxed"].append({**asdict(r), "skipped": "time budget"})
@@ -322,12 +364,15 @@ def format_table(result: dict) -> str:
     lines = [f"target: accuracy {t['accuracy']:.3f}  fork fraction {t['fork_fraction']:.3f}  "
              f"thinking share {t['thinking_token_share']:.3f}  "
              f"({result['n_problems']} problems, k={result['k']})",
-             "draft | params | strict thinking AL | relaxed (ratio, top_k): thinking AL, x strict, accuracy"]
+             "draft | params | agreement fork/determined | strict thinking AL | "
+             "relaxed (ratio, top_k): thinking AL, x strict, accuracy"]
     for d in result["drafts"]:
         s = d["strict"]["thinking_al"]
+        ag = d["agreement"]
         rel = "; ".join(f"({r['ratio']}, {r['top_k']}): {r['thinking_al']:.2f}, x{r['thinking_al'] / s:.2f}, "
                         f"{r['accuracy']:.3f}" for r in d["relaxed"] if "skipped" not in r)
-        lines.append(f"{d['path']} | {d['params'] / 1e6:.2f}M | {s:.2f} | {rel}")
+        lines.append(f"{d['path']} | {d['params'] / 1e6:.2f}M | {ag['fork_agreement']:.2f}/"
+                     f"{ag['determined_agreement']:.2f} | {s:.2f} | {rel}")
     return "\n".join(lines)
 
 
