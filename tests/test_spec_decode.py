@@ -358,3 +358,39 @@ def test_synthetic_acceptance_rate(target, draft, rate):
     assert m.num_drafts > 0
     assert m.num_accepted_tokens == (m.num_draft_tokens if rate == 1.0 else 0)
     assert llm.last_spec_metrics.mean_acceptance_length() == (K + 1 if rate == 1.0 else 1.0)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+def _first_near_tie(path: Path, prompt: list[int], output: list[int], margin: float) -> int:
+    """Index of the first output position whose top-2 logit gap (HF, bf16, CUDA) is below margin."""
+    logits = hf_logits(path, prompt + output, dtype=torch.bfloat16, device="cuda")[len(prompt) - 1 : -1]
+    top2 = logits.float().topk(2, dim=-1).values
+    close = ((top2[:, 0] - top2[:, 1]) < margin).nonzero()
+    return int(close[0]) if len(close) else len(output)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_lossless_greedy_on_cuda(dtype, method, target, draft):
+    prompts, _ = _mixed_batch()
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3)
+    expected = _tokens(plain.generate(prompts, sp, use_tqdm=False))
+    cfg = dict(SPEC_CONFIGS[method if method == "ngram" else "draft"])
+    if method == "draft":
+        cfg["model"] = str(draft)
+    spec = LLM(target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, speculative_config=cfg)
+    got = _tokens(spec.generate(prompts, sp, use_tqdm=False))
+    assert spec.last_spec_metrics.total.num_accepted_tokens > 0
+    if dtype == "float32":
+        assert got == expected
+        return
+    compared = 0
+    for prompt, g, e in zip(prompts, got, expected):
+        n = _first_near_tie(target, prompt, e, margin=0.1)
+        assert g[:n] == e[:n]
+        compared += n
+    assert compared >= 60

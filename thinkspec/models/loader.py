@@ -64,13 +64,23 @@ class ModelInfo:
     generation_config: dict[str, Any] = field(default_factory=dict)  # the raw file, {} when absent
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
-    model: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    model: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model for a checkpoint folder or hub id and load its weights; returns (model, info).
 
     The model is in eval mode with no gradients, on `device`, in the resolved dtype.
+    load_format "dummy" (as vLLM's) reads only config.json and draws random weights: for speed
+    benchmarks of a model shape without its checkpoint.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = resolve_model_path(model)
     raw = _read_json(path / "config.json", required=True)
     arch = _architecture(raw)
@@ -93,7 +103,10 @@ def load_model(
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device)
-    load_weights(net, path)
+    if load_format == "dummy":
+        init_dummy_weights(net)
+    else:
+        load_weights(net, path)
     net.eval().requires_grad_(False)
 
     eos: list[int] = []
@@ -121,6 +134,19 @@ def load_model(
         generation_config=gen,
     )
     return net, info
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Random weights in place: N(0, std) for matrices and embeddings, 1 for norms, 0 for biases."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
 
 
 def resolve_model_path(model: str | Path) -> Path:

@@ -218,6 +218,10 @@ class Speculator:
             if b is None:
                 token_ids.append([next(it)] if m else [])
                 computed.append(n)
+                if m and self.tracker is not None:  # e.g. the model's own <think> right after the prompt
+                    tok = token_ids[-1][0]
+                    if tok in (self.tracker.think_start_id, self.tracker.think_end_id):
+                        seq.thinking = tok == self.tracker.think_start_id
                 continue
             a = int(num_accepted[b])
             token_ids.append(out_tokens[b, : a + 1].tolist())

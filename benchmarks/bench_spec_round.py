@@ -1,0 +1,229 @@
+"""One speculative round against its parts: k draft steps plus one verify step, measured side by side.
+
+Qwen3-8B-shaped target and Qwen3-0.6B-shaped draft with random ("dummy") bf16 weights, synthetic
+acceptance (each draft accepted with probability --rate), greedy, at several batch sizes. For each
+batch size it reports, from the same sequences at the same context length:
+  round_ms          Speculator.step for the whole batch (propose + verify + accept, one host copy)
+  draft_step_ms     one single-token draft forward over the batch
+  verify_ms         one target forward scoring k+1 positions per sequence
+  parts_ms          k * draft_step_ms + verify_ms
+  decode_ms         one plain single-token target forward (no speculation), for reference
+  ratio             round_ms / parts_ms (the overhead of the round's own bookkeeping)
+  tokens_per_round  mean tokens emitted per sequence per round
+Writes JSON (--out) and prints a table last.
+
+    python benchmarks/bench_spec_round.py --out spec_round.json            # H200
+    python benchmarks/bench_spec_round.py --small --device cpu --rounds 3  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from thinkspec.config import SpeculativeConfig
+from thinkspec.engine.block_manager import BlockManager
+from thinkspec.engine.model_runner import ModelRunner
+from thinkspec.engine.scheduler import SchedulerOutput
+from thinkspec.engine.sequence import Sequence
+from thinkspec.models.loader import load_model
+from thinkspec.sampling.sampler import Sampler
+from thinkspec.sampling_params import SamplingParams
+from thinkspec.spec_decode.speculator import Speculator
+
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+)  # fmt: skip
+QWEN3_0_6B = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+)  # fmt: skip
+SMALL_TARGET = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+)  # fmt: skip
+SMALL_DRAFT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def write_config(folder: Path, shape: dict, vocab_size: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 151645,
+        **shape,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Median milliseconds of fn() over reps calls (after one warm-up), synchronised around each."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def commit(sched: SchedulerOutput, result) -> int:
+    """Apply a step's result to the sequences as the scheduler would (no stop checks); tokens emitted."""
+    emitted = 0
+    for seq, tokens, computed in zip(sched.seqs, result.token_ids, result.num_computed):
+        seq.num_computed_tokens += computed
+        seq.token_ids.extend(tokens)
+        emitted += len(tokens)
+    return emitted
+
+
+def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, device: torch.device) -> dict:
+    k, block = args.k, 16
+    total_tokens = args.prompt_len + (args.rounds + args.warmup + 4) * (k + 1) + k
+    num_blocks = batch * math.ceil(total_tokens / block)
+    runners = [
+        ModelRunner(m, num_blocks=num_blocks, block_size=block, num_kv_heads=i.num_kv_heads,
+                    head_dim=i.head_dim, dtype=i.dtype, device=device)
+        for m, i in ((target, tinfo), (draft, dinfo))
+    ]  # fmt: skip
+    bm = BlockManager(num_blocks, block, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(batch)
+    seqs = []
+    for b in range(batch):
+        prompt = torch.randint(0, tinfo.vocab_size, (args.prompt_len,), generator=gen).tolist()
+        seq = Sequence(str(b), prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+        seq.has_draft = True
+        bm.allocate(seq, total_tokens)
+        seqs.append(seq)
+    cfg = SpeculativeConfig(
+        model=str(draft_dir), num_speculative_tokens=k, synthetic_acceptance_rate=args.rate
+    )
+    spec = Speculator(
+        cfg, target_runner=runners[0], draft_runner=runners[1], reasoning=None,
+        sampler=Sampler(0, device), vocab_size=tinfo.vocab_size, max_model_len=total_tokens + k, seed=0,
+    )  # fmt: skip
+    prefill = SchedulerOutput(seqs=seqs, num_new_tokens=[args.prompt_len] * batch)
+    commit(prefill, spec.step(prefill))
+    decode = SchedulerOutput(seqs=seqs, num_new_tokens=[1] * batch)
+    for _ in range(args.warmup):
+        commit(decode, spec.step(decode))
+    round_times, emitted = [], 0
+    for _ in range(args.rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        result = spec.step(decode)
+        sync(device)
+        round_times.append((time.perf_counter() - t0) * 1e3)
+        emitted += commit(decode, result)
+
+    # The parts, at the context the rounds reached; they write only slots past the committed tokens.
+    target_runner, draft_runner = runners
+    starts = [s.num_tokens - 1 for s in seqs]
+    one = [[0]] * batch
+    draft_ms = timed(
+        lambda: draft_runner.execute_model(seqs, [1] * batch, [1] * batch, one, start_positions=starts),
+        device, args.reps,
+    )  # fmt: skip
+    verify_ms = timed(
+        lambda: target_runner.execute_model(
+            seqs, [k + 1] * batch, [k + 1] * batch, [[0] * (k + 1)] * batch, start_positions=starts
+        ),
+        device, args.reps,
+    )  # fmt: skip
+    decode_ms = timed(
+        lambda: target_runner.execute_model(seqs, [1] * batch, [1] * batch, one, start_positions=starts),
+        device, args.reps,
+    )  # fmt: skip
+    round_ms = statistics.median(round_times)
+    parts_ms = k * draft_ms + verify_ms
+    tokens_per_round = emitted / (args.rounds * batch)
+    del runners, spec
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "batch": batch,
+        "k": k,
+        "rate": args.rate,
+        "context": seqs[0].num_tokens,
+        "round_ms": round_ms,
+        "draft_step_ms": draft_ms,
+        "verify_ms": verify_ms,
+        "parts_ms": parts_ms,
+        "decode_ms": decode_ms,
+        "ratio": round_ms / parts_ms,
+        "tokens_per_round": tokens_per_round,
+        "spec_tok_per_s": batch * tokens_per_round / round_ms * 1e3,
+        "plain_tok_per_s": batch / decode_ms * 1e3,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--rate", type=float, default=0.7, help="synthetic per-draft acceptance probability")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    vocab = 1024 if args.small else 151936
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
+        ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
+        target, tinfo = load_model(tdir, dtype, device, load_format="dummy")
+        draft, dinfo = load_model(ddir, dtype, device, load_format="dummy")
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+        rows = [run_batch(args, target, tinfo, draft, dinfo, ddir, b, device) for b in batches]
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "target": "Qwen3-8B shape" if not args.small else "small",
+        "draft": "Qwen3-0.6B shape" if not args.small else "small",
+        "dtype": dtype,
+        "attention_backend": "torch reference",
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    shapes = f"{result['target']} / {result['draft']}"
+    print(f"spec round vs parts ({shapes}, {dtype}, k={args.k}, rate={args.rate})")
+    print(f"{'batch':>5} {'round ms':>9} {'draft ms':>9} {'verify ms':>9} {'parts ms':>9} {'ratio':>6} "
+          f"{'tok/rnd':>7} {'spec tok/s':>10} {'plain tok/s':>11}")  # fmt: skip
+    for r in rows:
+        print(f"{r['batch']:>5} {r['round_ms']:>9.2f} {r['draft_step_ms']:>9.2f} {r['verify_ms']:>9.2f} "
+              f"{r['parts_ms']:>9.2f} {r['ratio']:>6.2f} {r['tokens_per_round']:>7.2f} "
+              f"{r['spec_tok_per_s']:>10.1f} {r['plain_tok_per_s']:>11.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one go (meant for one H200). Writes JSON and logs under $OUT and
+# prints a short summary table last. Stages are time-boxed so one slow stage cannot eat the rest;
+# STAGES selects a subset (default: all), e.g. STAGES="tests acceptance".
+#   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels)
+#   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
+#   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
+#   drafts      train toy draft variants against the bundled target (DRAFTS="name:steps ...")
+#   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu_check}
+STAGES=${STAGES:-"tests acceptance spec_round drafts toy"}
+mkdir -p "$OUT"
+summary="$OUT/summary.txt"
+: >"$summary"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+note() { echo "$*" | tee -a "$summary"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
+
+if has tests; then
+  timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+  note "tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" | tail -1)"
+fi
+
+if has acceptance; then
+  timeout "${ACCEPTANCE_TIMEOUT:-120}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" \
+    2>&1 | tee "$OUT/acceptance.log"
+  note "acceptance: exit ${PIPESTATUS[0]}"
+fi
+
+if has spec_round; then
+  timeout "${SPEC_ROUND_TIMEOUT:-150}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
+    2>&1 | tee "$OUT/spec_round.log"
+  note "spec_round: exit ${PIPESTATUS[0]}"
+fi
+
+if has drafts; then
+  work=/tmp/toy-drafts
+  mkdir -p "$work"
+  names=()
+  for spec in ${DRAFTS:-"d3-250:250"}; do
+    IFS=: read -r name steps <<<"$spec"
+    timeout 120 $PY -m thinkspec.toy.train --role draft --tokenizer thinkspec/assets/toy-reasoner/target \
+      --out "$work/$name" --num-layers 3 --hidden-size 160 --num-heads 5 --head-dim 32 \
+      --intermediate-size 480 --steps "$steps" --batch-size 128 --seq-len 640 --samples 100000 --lr 2e-3 \
+      --warmup-steps 50 --log-every 100 --seed 1 >>"$OUT/drafts.log" 2>&1 && names+=("$name")
+    # Later stages see the new drafts next to the bundled ones.
+    [ -d "$work/$name" ] && cp -r "$work/$name" "thinkspec/assets/toy-reasoner/$name"
+  done
+  [ ${#names[@]} -gt 0 ] && tar -C "$work" -cf "$OUT/drafts.tar" "${names[@]}"
+  note "drafts: trained ${names[*]:-none}"
+fi
+
+if has toy; then
+  timeout "${TOY_TIMEOUT:-240}" $PY benchmarks/toy_quality.py --num-problems "${TOY_N:-500}" \
+    --drafts "${TOY_DRAFTS:-draft}" --relax "${TOY_RELAX:-0.3:3,0.1:8}" --device cuda \
+    --max-num-seqs 256 --out "$OUT/toy_quality.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/toy_quality.log"
+  note "toy: exit ${PIPESTATUS[0]}"
+fi
+
+echo
+echo "==== summary ===="
+cat "$summary"
+for f in spec_round acceptance toy_quality; do
+  [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
+done
