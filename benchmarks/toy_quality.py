@@ -68,22 +68,21 @@ def main() -> None:
     prompts = [chat_prompt(s.problem.question) for s in samples]
     problems = [s.problem for s in samples]
     common = dict(device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192)
-    rows: dict[str, dict] = {}
-    rows["no_spec"] = run_mode(LLM(TOY / "target", **common), prompts, problems, args.max_tokens)
+    modes: list[tuple[str, dict | None]] = [("no_spec", None)]
     for draft in args.drafts.split(","):
         base = {"model": str(TOY / draft), "num_speculative_tokens": args.k, "reasoning_parser": "qwen3"}
-        rows[f"{draft}/strict"] = run_mode(
-            LLM(TOY / "target", speculative_config=base, **common), prompts, problems, args.max_tokens
-        )
+        modes.append((f"{draft}/strict", base))
         for setting in args.relax.split(","):
             ratio, top_k = setting.split(":")
             cfg = {**base, "relaxed_thinking": True, "relax_ratio": float(ratio), "relax_top_k": int(top_k)}
-            rows[f"{draft}/relaxed r={ratio} k={top_k}"] = run_mode(
-                LLM(TOY / "target", speculative_config=cfg, **common), prompts, problems, args.max_tokens
-            )
+            modes.append((f"{draft}/relaxed r={ratio} k={top_k}", cfg))
+    rows: dict[str, dict] = {}
     result = {"num_problems": args.num_problems, "seed": args.seed, "k": args.k, "modes": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    for name, cfg in modes:
+        llm = LLM(TOY / "target", speculative_config=cfg, **common)
+        rows[name] = run_mode(llm, prompts, problems, args.max_tokens)
+        if args.out:  # after every mode, so a cut-short run keeps what it measured
+            Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"toy reasoner, {args.num_problems} problems (seed {args.seed}), greedy, k={args.k}")
     header = ["mode", "acc", "AL", "AL think", "AL ans", "relaxed", "tok/s", "len"]
     print(f"{header[0]:<28} " + " ".join(f"{h:>8}" for h in header[1:]))
