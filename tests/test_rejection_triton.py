@@ -106,8 +106,11 @@ def _check_structure(res, kw):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    # Tiny tiles so small vocabularies still span several tiles per row.
+    # Tiny tiles so small vocabularies still span several tiles per row, and several chunks of
+    # several tiles each in the streamed stats pass.
     monkeypatch.setattr(rt, "MAX_TILE", 8)
+    monkeypatch.setattr(rt, "STATS_TILE", 8)
+    monkeypatch.setattr(rt, "PROGRAMS_PER_SM", 8)
 
 
 @interp

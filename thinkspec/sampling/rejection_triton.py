@@ -1,9 +1,9 @@
 """Fused Triton kernels for `rejection_sample` (same contract as the torch reference in rejection.py).
 
 Launches, all with grids fixed by (B, K, V) so a round can be CUDA-graph captured (no host sync):
-  1. _row_stats_kernel    grid (B*(K+1), NC)  one vocabulary tile per program: tile max, its lowest
-                          index, #{v : x[v] > x[d]} and, when the row needs it (sampled request or
-                          relax_delta set), sum exp(x - tile max). x[d] is read directly by index.
+  1. _row_stats_kernel    grid (B*(K+1), NC)  one vocabulary chunk per program, streamed: chunk max,
+                          its lowest index, #{v : x[v] > x[d]} and, when the row needs it (sampled
+                          request or relax_delta set), sum exp(x - chunk max). x[d] is read by index.
   2. _accept_kernel       grid (B,)           reduces the NC partials of each row, runs the
                           accept/first-reject logic and writes every output; greedy requests are done.
   3. _race_kernel         grid (B, NC)        sampled requests only: exponential race over the
@@ -31,6 +31,10 @@ from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, c
 # that B*(K+1) rows x V/TILE tiles fill every SM several times over.
 MAX_TILE = 8192
 NUM_WARPS = 8
+# The stats pass streams chunks of a row per program (see _stats_split).
+STATS_TILE = 2048
+STATS_WARPS = 8
+PROGRAMS_PER_SM = 8
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
 
 
@@ -42,15 +46,18 @@ def _row_stats_kernel(
     draft_ptr,  # [B, K] int64
     temp_ptr,  # [B] float32
     delta_ptr,  # [B] float32, NaN = unset
-    pmax_ptr,  # [B*(K+1), NC] float32 out: tile max of x
-    pidx_ptr,  # [B*(K+1), NC] int32 out: lowest index of the tile max
-    pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in tile : x[v] > x[d]} (0 on the bonus row)
-    psum_ptr,  # [B*(K+1), NC] float32 out: sum exp(x - tile max), 1 when not needed
+    pmax_ptr,  # [B*(K+1), NC] float32 out: chunk max of x
+    pidx_ptr,  # [B*(K+1), NC] int32 out: lowest index of the chunk max
+    pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in chunk : x[v] > x[d]} (0 on the bonus row)
+    psum_ptr,  # [B*(K+1), NC] float32 out: sum exp(x - chunk max), 1 when not needed
     V,
     K,
     NC,
+    CHUNK,  # vocabulary entries per program, a multiple of TILE
     TILE: tl.constexpr,
 ):
+    # One program streams one chunk of one row in TILE-wide steps, keeping per-lane running
+    # max / first index / count (/ online sum-exp) in registers, and reduces across lanes once.
     row = tl.program_id(0)
     c = tl.program_id(1)
     b = row // (K + 1)
@@ -63,22 +70,39 @@ def _row_stats_kernel(
     d = tl.load(draft_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0)
     d = tl.minimum(tl.maximum(d, 0), V - 1)
     xd = tl.load(base + d).to(tl.float32)
-    offs = c * TILE + tl.arange(0, TILE)
-    msk = offs < V
-    x = tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
     if temp != 0.0:
         # IEEE division (plain `/` is approximate on GPU), so x matches the reference bit for bit.
-        x = tl.math.div_rn(x, temp)
         xd = tl.math.div_rn(xd, temp)
     xd = tl.where(has_draft, xd, float("inf"))
+    need_sum = (temp != 0.0) | (delta == delta)
 
-    m = tl.max(x, 0)
-    idx = tl.min(tl.where(x == m, offs, _INT32_MAX), 0)
-    cnt = tl.sum((x > xd).to(tl.int32), 0)
+    lanes = tl.arange(0, TILE)
+    acc_m = tl.full([TILE], float("-inf"), tl.float32)
+    acc_i = tl.full([TILE], _INT32_MAX, tl.int32)
+    acc_c = tl.zeros([TILE], tl.int32)
+    acc_s = tl.zeros([TILE], tl.float32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for t in range(start, end, TILE):
+        offs = t + lanes
+        x = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        if temp != 0.0:
+            x = tl.math.div_rn(x, temp)
+        acc_i = tl.where(x > acc_m, offs, acc_i)  # strict: a lane keeps its first maximum
+        new_m = tl.maximum(acc_m, x)
+        if need_sum:
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+            acc_s = acc_s * tl.exp(acc_m - safe) + tl.exp(x - safe)
+        acc_m = new_m
+        acc_c += (x > xd).to(tl.int32)
+
+    m = tl.max(acc_m, 0)
+    idx = tl.min(tl.where(acc_m == m, acc_i, _INT32_MAX), 0)
+    cnt = tl.sum(acc_c, 0)
     s = temp * 0.0 + 1.0  # fp32 scalar; 1 keeps the unused log-sum-exp finite
-    if (temp != 0.0) | (delta == delta):
+    if need_sum:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp(x - m_safe), 0)
+        s = tl.sum(acc_s * tl.exp(acc_m - m_safe), 0)
     out = row.to(tl.int64) * NC + c
     tl.store(pmax_ptr + out, m)
     tl.store(pidx_ptr + out, idx)
@@ -278,6 +302,16 @@ def _tile(v: int) -> int:
     return min(MAX_TILE, max(16, triton.next_power_of_2(v)))
 
 
+def _stats_split(rows: int, v: int, device: torch.device) -> tuple[int, int, int]:
+    """(tile, chunks per row, chunk length) for the stats pass: enough programs to fill the GPU a
+    few times over, each streaming a long chunk; fixed by the shape, so graph capture holds."""
+    tile = min(STATS_TILE, max(16, triton.next_power_of_2(v)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    nc = min(triton.cdiv(v, tile), max(1, triton.cdiv(PROGRAMS_PER_SM * sms, rows)))
+    chunk = triton.cdiv(triton.cdiv(v, nc), tile) * tile
+    return tile, triton.cdiv(v, chunk), chunk
+
+
 def _p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
@@ -334,9 +368,9 @@ def rejection_sample_triton(
     seeds = seeds.contiguous()
 
     tile = _tile(v)
-    nc = triton.cdiv(v, tile)
-    nc_p2 = _p2(nc)
     rows = b * (k + 1)
+    stats_tile, nc, chunk = _stats_split(rows, v, dev)
+    nc_p2 = _p2(nc)
     pmax = torch.empty(rows * nc, dtype=torch.float32, device=dev)
     pidx = torch.empty(rows * nc, dtype=torch.int32, device=dev)
     pcnt = torch.empty(rows * nc, dtype=torch.int32, device=dev)
@@ -350,8 +384,8 @@ def rejection_sample_triton(
     s_b, s_r = logits.stride(0), logits.stride(1)
 
     _row_stats_kernel[(rows, nc)](
-        logits, s_b, s_r, drafts, temp, delta, pmax, pidx, pcnt, psum, v, k, nc,
-        TILE=tile, num_warps=NUM_WARPS,
+        logits, s_b, s_r, drafts, temp, delta, pmax, pidx, pcnt, psum, v, k, nc, chunk,
+        TILE=stats_tile, num_warps=STATS_WARPS,
     )  # fmt: skip
     _accept_kernel[(b,)](
         logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
@@ -359,6 +393,8 @@ def rejection_sample_triton(
         HAS_Q=draft_probs is not None, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=2,
     )  # fmt: skip
     if not all_greedy:
+        nc = triton.cdiv(v, tile)  # the race runs one tile per program
+        nc_p2 = _p2(nc)
         rbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
         ridx = torch.empty(b * nc, dtype=torch.int32, device=dev)
         pbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
