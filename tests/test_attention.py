@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thinkspec.layers.attention import Attention
-from thinkspec.layers.attention_torch import TorchAttentionBackend, store_kvcache
+from thinkspec.layers.attention_torch import PaddedTorchAttentionBackend, TorchAttentionBackend, store_kvcache
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context
 from thinkspec.layers.linear import MergedLinear
 from thinkspec.layers.norm import RMSNorm
@@ -86,16 +86,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, PaddedTorchAttentionBackend])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("case", list(CASES))
-def test_torch_backend_matches_dense_reference(case: str, hq: int, hkv: int, block_size: int) -> None:
+def test_torch_backend_matches_dense_reference(
+    case: str, hq: int, hkv: int, block_size: int, backend
+) -> None:
     spec = CASES[case]
     d, scale = 8, 8**-0.5
     q, k, v, k_cache, v_cache, meta, full = make_case(
         spec, hq, hkv, d, block_size, 64, seed=list(CASES).index(case), pad=2
     )
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = backend().forward(q, k, v, k_cache, v_cache, meta, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     start = 0
     for (_, qlen), (keys, values) in zip(spec, full):

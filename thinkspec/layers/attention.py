@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from thinkspec.layers.attention_torch import TorchAttentionBackend
+from thinkspec.layers.attention_torch import PaddedTorchAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata, get_forward_context
 
 
@@ -45,7 +45,7 @@ class Attention(nn.Module):
         # Empty until the ModelRunner allocates the pool and assigns this layer's views.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.backend: AttentionBackend = TorchAttentionBackend()
+        self.backend: AttentionBackend = PaddedTorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
