@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--no-baseline", action="store_true", help="skip the no-speculation run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -68,7 +69,7 @@ def main() -> None:
     prompts = [chat_prompt(s.problem.question) for s in samples]
     problems = [s.problem for s in samples]
     common = dict(device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192)
-    modes: list[tuple[str, dict | None]] = [("no_spec", None)]
+    modes: list[tuple[str, dict | None]] = [] if args.no_baseline else [("no_spec", None)]
     for draft in args.drafts.split(","):
         base = {"model": str(TOY / draft), "num_speculative_tokens": args.k, "reasoning_parser": "qwen3"}
         modes.append((f"{draft}/strict", base))

@@ -167,3 +167,10 @@ def test_generate_refusals(capsys, ckpt):
     assert main([*argv, "--prompt", "x" * 64, "--prompt", "ok"]) == 1
     out = capsys.readouterr().out
     assert "error:" in out and "output_tokens=" in out
+
+
+@pytest.mark.parametrize("command", ["bench", "sweep"])
+def test_unimplemented_commands_say_so(capsys, command):
+    assert "not implemented yet" in help_text(capsys, command).lower()
+    assert main([command]) == 2
+    assert "not implemented yet" in capsys.readouterr().err

@@ -564,17 +564,20 @@ def test_toy_pair_speculative_relaxed_stream_matches():
         "--speculative-config", json.dumps(spec),
     ) as url:  # fmt: skip
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=160, temperature=0.0)
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0.0)
         msg = resp.choices[0].message
         chunks = list(
             client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=160, temperature=0.0, stream=True
+                model=MODEL, messages=messages, max_tokens=400, temperature=0.0, stream=True
             )
         )
         reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
         content = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert msg.reasoning_content and reasoning == msg.reasoning_content
-        assert content == (msg.content or "")
+        assert msg.content and "**Answer:**" in msg.content and content == msg.content
+        assert "<think>" not in msg.content and "**Answer:**" not in msg.reasoning_content
         text = scrape(url)
+        assert metric(text, "thinkspec:spec_decode_num_relaxed_accepted_tokens_total", phase="thinking") > 0
+        assert metric(text, "thinkspec:spec_decode_num_relaxed_accepted_tokens_total", phase="answer") == 0
         assert metric(text, "thinkspec:spec_decode_num_draft_tokens_total", phase="thinking") > 0
         assert metric(text, "thinkspec:spec_decode_num_drafts_total", phase="thinking") > 0

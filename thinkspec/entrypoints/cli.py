@@ -190,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="measure one configuration on a dataset: accuracy, acceptance, speed",
-        description="Runs a dataset through one engine configuration and reports accuracy with a 95%% "
-        "confidence interval, acceptance lengths per phase and throughput.",
+        help="(not implemented yet) measure one configuration on a dataset: accuracy, acceptance, speed",
+        description="NOT IMPLEMENTED YET: exits with status 2. Planned: run a dataset through one "
+        "engine configuration and report accuracy with a 95%% confidence interval, acceptance lengths "
+        "per phase and throughput. Today, benchmarks/toy_quality.py measures the toy reasoner.",
     )
     add_engine_args(bench)
     bench.add_argument("--dataset", default="toy", help="'toy' or a JSONL file with prompt and answer fields")
@@ -203,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser(
         "sweep",
-        help="grid over relax_ratio x relax_top_k with no-spec and strict baselines",
-        description="Runs the same prompts under every relaxed setting and both baselines, tests each "
-        "cell's accuracy against strict, and writes JSON, CSV, a Pareto plot and a markdown report.",
+        help="(not implemented yet) grid over relax_ratio x relax_top_k with no-spec and strict baselines",
+        description="NOT IMPLEMENTED YET: exits with status 2. Planned: run the same prompts under "
+        "every relaxed setting and both baselines, test each cell's accuracy against strict, and "
+        "write JSON, CSV, a Pareto plot and a markdown report.",
     )
     add_engine_args(sweep)
     sweep.add_argument("--dataset", default="toy")
@@ -238,14 +240,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 1
         return run_server(args)
-    if args.command == "bench":
-        from thinkspec.bench.bench import run_bench
-
-        return run_bench(args)
-    if args.command == "sweep":
-        from thinkspec.bench.sweep import run_sweep
-
-        return run_sweep(args)
+    if args.command in ("bench", "sweep"):
+        print(
+            f"thinkspec {args.command} is not implemented yet; benchmarks/toy_quality.py measures "
+            "accuracy and acceptance of the toy reasoner in the meantime",
+            file=sys.stderr,
+        )
+        return 2
     raise AssertionError(args.command)
 
 
