@@ -340,3 +340,23 @@ def test_cuda_bf16_greedy_matches_hf_up_to_near_ties(arch, kw):
             compared += 1
     assert compared >= 10, "too few clear steps for a meaningful comparison"
     assert_all_blocks_free(llm.llm_engine)
+
+
+def test_dummy_load_format_runs_without_weights(tmp_path):
+    import shutil
+
+    from checkpoints import tiny_checkpoint
+
+    from thinkspec import LLM, SamplingParams
+
+    folder = tmp_path / "config_only"
+    shutil.copytree(tiny_checkpoint("qwen3", tied=True), folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError):
+        LLM(folder, device="cpu")
+    llm = LLM(folder, device="cpu", load_format="dummy")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.generate([[72, 105]], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        LLM(folder, device="cpu", load_format="pt")

@@ -22,13 +22,15 @@ class LLM:
 
     LLM(model, tokenizer=None, dtype="auto", device="auto", max_model_len=None, max_num_seqs=64,
         max_num_batched_tokens=2048, block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=None,
-        enable_prefix_caching=True, seed=0, reasoning_parser=None, speculative_config=None)
+        enable_prefix_caching=True, seed=0, reasoning_parser=None, speculative_config=None,
+        load_format="auto")
 
     speculative_config: a SpeculativeConfig, a dict or a JSON string, as vLLM's
     `speculative_config` (e.g. {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4,
     "relaxed_thinking": True, "relax_ratio": 0.3, "relax_top_k": 3}). When speculating, each
     RequestOutput's metrics.spec_decode holds that request's counters and `last_spec_metrics` the
-    whole last generate()/chat() call's.
+    whole last generate()/chat() call's. load_format="dummy" (as vLLM's) draws random weights from
+    config.json alone, for speed benchmarks of a model shape.
 
     See EngineConfig for the meaning of each setting. A request whose prompt cannot run (longer
     than max_model_len or the KV pool, empty, bad token ids) fails alone: its RequestOutput has
@@ -51,6 +53,7 @@ class LLM:
         seed: int = 0,
         reasoning_parser: str | None = None,
         speculative_config: Any = None,
+        load_format: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -67,6 +70,7 @@ class LLM:
             seed=seed,
             reasoning_parser=reasoning_parser,
             speculative_config=speculative_config,
+            load_format=load_format,
         )
         self.llm_engine = LLMEngine(config)
         self.last_spec_metrics: SpecDecodeMetrics | None = None

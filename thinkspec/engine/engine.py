@@ -15,6 +15,7 @@ from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.model_runner import ModelRunner, determine_kv_cache_memory, kv_cache_bytes_per_block
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
+from thinkspec.models.loader import LOAD_FORMATS
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling.sampler import Sampler
 from thinkspec.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class EngineConfig:
     seed: int = 0
     reasoning_parser: str | None = None
     speculative_config: Any = None  # SpeculativeConfig | dict | JSON str | None
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (speed benchmarks)
 
 
     def __post_init__(self) -> None:
@@ -87,6 +89,8 @@ class EngineConfig:
 
             get_reasoning_parser(self.reasoning_parser)  # raises ValueError listing the known names
         self.speculative_config = _parse_speculative_config(self.speculative_config, self.reasoning_parser)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
 
 def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
@@ -115,7 +119,7 @@ class LLMEngine:
 
         self.config = config
         self.device = resolve_device(config.device)
-        self.model, self.model_info = load_model(config.model, config.dtype, self.device)
+        self.model, self.model_info = load_model(config.model, config.dtype, self.device, config.load_format)
         info = self.model_info
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(info.path))
         eos = list(info.eos_token_ids)
@@ -147,7 +151,9 @@ class LLMEngine:
         self.draft_model = self.draft_info = None
         if spec is not None and spec.method == "draft_model":
             assert spec.model is not None
-            self.draft_model, self.draft_info = load_model(spec.model, info.dtype, self.device)
+            self.draft_model, self.draft_info = load_model(
+                spec.model, info.dtype, self.device, config.load_format
+            )
             check_draft_compatible(self.tokenizer, info, self.draft_info)
             d = self.draft_info
             # Both pools share the block tables, so one block costs the sum of the two.
