@@ -360,3 +360,27 @@ def test_dummy_load_format_runs_without_weights(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 5
     with pytest.raises(ValueError, match="load_format must be one of"):
         LLM(folder, device="cpu", load_format="pt")
+
+
+def test_skip_tokenizer_init_takes_and_returns_token_ids(tmp_path):
+    import shutil
+
+    from checkpoints import tiny_checkpoint
+
+    from thinkspec import LLM, SamplingParams
+
+    src = tiny_checkpoint("qwen3", tied=True)
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(src / name, folder / name)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = LLM(src, device="cpu").generate([[72, 105, 33]], params, use_tqdm=False)[0]
+    llm = LLM(folder, device="cpu", skip_tokenizer_init=True)
+    out = llm.generate([[72, 105, 33], "text"], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected.outputs[0].token_ids and out[0].outputs[0].text == ""
+    assert out[1].outputs[0].finish_reason == "error" and "token ids" in out[1].error
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="reasoning_parser needs the tokenizer"):
+        LLM(folder, device="cpu", skip_tokenizer_init=True, reasoning_parser="qwen3")

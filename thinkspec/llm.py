@@ -23,14 +23,15 @@ class LLM:
     LLM(model, tokenizer=None, dtype="auto", device="auto", max_model_len=None, max_num_seqs=64,
         max_num_batched_tokens=2048, block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=None,
         enable_prefix_caching=True, seed=0, reasoning_parser=None, speculative_config=None,
-        load_format="auto")
+        load_format="auto", skip_tokenizer_init=False)
 
     speculative_config: a SpeculativeConfig, a dict or a JSON string, as vLLM's
     `speculative_config` (e.g. {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4,
     "relaxed_thinking": True, "relax_ratio": 0.3, "relax_top_k": 3}). When speculating, each
     RequestOutput's metrics.spec_decode holds that request's counters and `last_spec_metrics` the
     whole last generate()/chat() call's. load_format="dummy" (as vLLM's) draws random weights from
-    config.json alone, for speed benchmarks of a model shape.
+    config.json alone, for speed benchmarks of a model shape; skip_tokenizer_init=True (as vLLM's)
+    takes and returns token ids only.
 
     See EngineConfig for the meaning of each setting. A request whose prompt cannot run (longer
     than max_model_len or the KV pool, empty, bad token ids) fails alone: its RequestOutput has
@@ -54,6 +55,7 @@ class LLM:
         reasoning_parser: str | None = None,
         speculative_config: Any = None,
         load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -71,6 +73,7 @@ class LLM:
             reasoning_parser=reasoning_parser,
             speculative_config=speculative_config,
             load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         self.llm_engine = LLMEngine(config)
         self.last_spec_metrics: SpecDecodeMetrics | None = None
@@ -111,6 +114,8 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
         them, through the tokenizer's chat template with add_generation_prompt=True."""
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs the tokenizer; this LLM was built with skip_tokenizer_init=True")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; use generate() with a formatted prompt")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)

@@ -57,7 +57,7 @@ class EngineConfig:
     reasoning_parser: str | None = None
     speculative_config: Any = None  # SpeculativeConfig | dict | JSON str | None
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed benchmarks)
-
+    skip_tokenizer_init: bool = False  # token ids in and out only (no text, chat or reasoning split)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -89,6 +89,12 @@ class EngineConfig:
 
             get_reasoning_parser(self.reasoning_parser)  # raises ValueError listing the known names
         self.speculative_config = _parse_speculative_config(self.speculative_config, self.reasoning_parser)
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+        if self.skip_tokenizer_init and self.reasoning_parser is not None:
+            raise ValueError(
+                "reasoning_parser needs the tokenizer; it cannot be used with skip_tokenizer_init"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
@@ -121,10 +127,15 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model, self.model_info = load_model(config.model, config.dtype, self.device, config.load_format)
         info = self.model_info
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(info.path))
+        self.tokenizer = (
+            None
+            if config.skip_tokenizer_init
+            else AutoTokenizer.from_pretrained(config.tokenizer or str(info.path))
+        )
         eos = list(info.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos.append(self.tokenizer.eos_token_id)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in eos:
+            eos.append(tok_eos)
         self.eos_token_ids = frozenset(eos)
 
         if config.max_model_len is not None and config.max_model_len > info.max_position_embeddings:
@@ -275,6 +286,8 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) for a string, a token-id list or a vLLM-style dict."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need the tokenizer (skip_tokenizer_init=True): pass token ids")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:

@@ -150,7 +150,9 @@ def check_draft_compatible(target_tokenizer: Any, target_info: ModelInfo, draft_
             f"draft model {draft_info.path} has vocab_size {draft_info.vocab_size}, the target "
             f"{target_info.path} has {target_info.vocab_size}; the draft must share the target's vocabulary"
         )
-    if not any((draft_info.path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if target_tokenizer is None or not any(
+        (draft_info.path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return
     from transformers import AutoTokenizer
 
