@@ -5,13 +5,14 @@
 #   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels)
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
+#   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
 #   drafts      train toy draft variants against the bundled target (DRAFTS="name:steps ...")
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_check}
-STAGES=${STAGES:-"tests acceptance spec_round drafts toy"}
+STAGES=${STAGES:-"tests acceptance spec_round throughput toy"}
 mkdir -p "$OUT"
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -35,6 +36,12 @@ if has spec_round; then
   timeout "${SPEC_ROUND_TIMEOUT:-150}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
     2>&1 | tee "$OUT/spec_round.log"
   note "spec_round: exit ${PIPESTATUS[0]}"
+fi
+
+if has throughput; then
+  timeout "${THROUGHPUT_TIMEOUT:-300}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
+    2>&1 | tee "$OUT/throughput.log"
+  note "throughput: exit ${PIPESTATUS[0]}"
 fi
 
 if has drafts; then
@@ -64,6 +71,6 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round acceptance toy_quality; do
+for f in spec_round throughput acceptance toy_quality; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done

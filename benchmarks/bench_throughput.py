@@ -1,0 +1,169 @@
+"""Decode throughput side by side: HF transformers (eager, static cache) and thinkspec, same weights.
+
+Qwen3-8B-shaped random bf16 weights (or --small shapes), prompts of --prompt-len random tokens,
+--output-len generated tokens (EOS ignored), greedy, at each batch size. thinkspec runs plain
+and, with a Qwen3-0.6B-shaped draft under synthetic acceptance, speculative decoding at the mean
+acceptance lengths of --acceptance-lengths (k=4). Reports tok/s (output tokens over the decode
+time), ms per step and, for plain decoding, the ratio of the step time to the weight-read floor
+(bytes of the weights / --bandwidth). Writes JSON (--out) and prints a table last.
+
+    python benchmarks/bench_throughput.py --out throughput.json                  # H200
+    python benchmarks/bench_throughput.py --small --device cpu --batch-sizes 1,4 # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
+
+from thinkspec import LLM, SamplingParams
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rate_for_acceptance_length(length: float, k: int) -> float:
+    """Per-draft acceptance probability r with sum_{i=0..k} r^i = length (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    return model
+
+
+def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device: torch.device) -> float:
+    """Seconds to generate output_len tokens for the batch, minus the time of a 1-token run (prefill)."""
+
+    def run(n: int) -> float:
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if static:
+            kwargs["cache_implementation"] = "static"
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
+        sync(device)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up (and, for the static cache, its compilation of nothing: eager)
+    return run(output_len) - run(1)
+
+
+def time_thinkspec(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float | None]:
+    """(decode seconds for output_len tokens, mean acceptance length or None)."""
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(2)
+    full = run(output_len)
+    m = llm.last_spec_metrics  # of the full run
+    return full - run(1), (m.mean_acceptance_length() if m is not None else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--acceptance-lengths", default="2,3,4")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--bandwidth", type=float, default=4.21e12, help="bytes/s for the weight-read floor")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype_name = "float32" if device.type == "cpu" else "bfloat16"
+    vocab = 1024 if args.small else 151936
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
+        ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
+        gen = torch.Generator().manual_seed(0)
+        all_prompts = torch.randint(0, vocab, (max(batches), args.prompt_len), generator=gen)
+        common = dict(
+            device=args.device, dtype=dtype_name, load_format="dummy", skip_tokenizer_init=True,
+            max_num_seqs=max(batches), max_model_len=args.prompt_len + args.output_len + 2 * args.k + 8,
+        )  # fmt: skip
+        if not args.skip_hf:
+            model = hf_model(tdir, dtype, device)
+            for b in batches:
+                prompts = all_prompts[:b].to(device)
+                for name, static in (("hf_eager", False), ("hf_static", True)):
+                    seconds = time_hf(model, prompts, args.output_len, static, device)
+                    rows.append({"engine": name, "batch": b, "seconds": seconds})
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        llm = LLM(tdir, **common)
+        weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
+        for b in batches:
+            seconds, _ = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+            rows.append({"engine": "thinkspec", "batch": b, "seconds": seconds})
+        del llm
+        for length in [float(x) for x in args.acceptance_lengths.split(",")]:
+            rate = rate_for_acceptance_length(length, args.k)
+            spec = {"model": str(ddir), "num_speculative_tokens": args.k, "synthetic_acceptance_rate": rate}
+            llm = LLM(tdir, speculative_config=spec, **common)
+            for b in batches:
+                seconds, al = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+                rows.append(
+                    {"engine": f"thinkspec_spec_al{length:g}", "batch": b, "seconds": seconds,
+                     "acceptance_length": al, "synthetic_rate": rate}
+                )  # fmt: skip
+            del llm
+    floor_ms = weight_bytes / args.bandwidth * 1e3
+    steps = args.output_len - 1
+    for r in rows:
+        r["tok_per_s"] = r["batch"] * steps / r["seconds"]
+        r["ms_per_step"] = r["seconds"] / steps * 1e3  # per output token of one sequence
+        r["x_floor"] = r["ms_per_step"] / floor_ms
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": "small" if args.small else "Qwen3-8B (draft Qwen3-0.6B)",
+        "dtype": dtype_name,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "weight_bytes": weight_bytes,
+        "floor_ms_per_step": floor_ms,
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"decode throughput, {result['shape']}, {dtype_name}, floor {floor_ms:.2f} ms/step")
+    print(f"{'engine':<22} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor':>8} {'AL':>5}")
+    for r in rows:
+        al = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") else "-"
+        print(f"{r['engine']:<22} {r['batch']:>5} {r['tok_per_s']:>10.1f} {r['ms_per_step']:>9.2f} "
+              f"{r['x_floor']:>8.2f} {al:>5}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
