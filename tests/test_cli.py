@@ -170,7 +170,28 @@ def test_generate_refusals(capsys, ckpt):
 
 
 @pytest.mark.parametrize("command", ["bench", "sweep"])
-def test_unimplemented_commands_say_so(capsys, command):
-    assert "not implemented yet" in help_text(capsys, command).lower()
-    assert main([command]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_bench_and_sweep_are_implemented(capsys, command):
+    text = help_text(capsys, command)
+    assert "not implemented" not in text.lower()
+    for flag in ("--dataset", "--num-prompts", "--max-tokens", "--sampling-seed"):
+        assert flag in text
+    if command == "sweep":
+        for flag in ("--relax-ratios", "--relax-top-ks", "--relax-deltas", "--accuracy-budget"):
+            assert flag in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--relax-ratios", "0.1,x"], "--relax-ratios must be comma-separated numbers"),
+        (["--relax-top-ks", "0"], "relax_top_k"),
+        (["--accuracy-budget", "2"], "--accuracy-budget must be in [0, 1]"),
+        (["--hf-baseline-prompts", "-1"], "--hf-baseline-prompts must be >= 0"),
+        (["--dataset", "/nonexistent.jsonl"], "dataset must be"),
+    ],
+)
+def test_sweep_rejects_bad_flags_before_loading(capsys, tmp_path, flags, message):
+    assert main(["sweep", "--device", "cpu", "--output-dir", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "thinkspec sweep: error:" in err and message in err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written

@@ -1,0 +1,1 @@
+"""Benchmarks: `thinkspec bench` (one setting), `thinkspec sweep` (the relaxation grid), reports."""

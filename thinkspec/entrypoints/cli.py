@@ -111,6 +111,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dataset",
+        default="toy",
+        help="'toy' (the bundled task), a JSONL file with prompt and answer fields, or 'rg:TASK' "
+        "(reasoning-gym, when installed) (default: %(default)s)",
+    )
+    p.add_argument("--num-prompts", type=int, default=100, help="(default: %(default)s)")
+    p.add_argument("--dataset-seed", type=int, default=20261201, help="problem generator seed (toy, rg)")
+    p.add_argument(
+        "--sampling-seed", type=int, default=0, help="request i samples with seed SAMPLING_SEED + i"
+    )
+    p.add_argument("--max-tokens", type=int, default=512, help="(default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="thinkspec",
@@ -190,31 +206,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="(not implemented yet) measure one configuration on a dataset: accuracy, acceptance, speed",
-        description="NOT IMPLEMENTED YET: exits with status 2. Planned: run a dataset through one "
-        "engine configuration and report accuracy with a 95%% confidence interval, acceptance lengths "
-        "per phase and throughput. Today, benchmarks/toy_quality.py measures the toy reasoner.",
+        help="measure one configuration on a dataset: accuracy, acceptance, speed",
+        description="Runs a dataset through one engine configuration and reports accuracy with a 95%% "
+        "confidence interval, mean output length, truncation rate, acceptance length (overall, "
+        "thinking, answer), per-position acceptance, relaxed-only share, tokens/s and latency.",
     )
     add_engine_args(bench)
-    bench.add_argument("--dataset", default="toy", help="'toy' or a JSONL file with prompt and answer fields")
-    bench.add_argument("--num-prompts", type=int, default=100)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--max-tokens", type=int, default=512)
+    _add_dataset_args(bench)
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     bench.add_argument("--output-json", default=None, help="write the results here")
 
     sweep = sub.add_parser(
         "sweep",
-        help="(not implemented yet) grid over relax_ratio x relax_top_k with no-spec and strict baselines",
-        description="NOT IMPLEMENTED YET: exits with status 2. Planned: run the same prompts under "
-        "every relaxed setting and both baselines, test each cell's accuracy against strict, and "
-        "write JSON, CSV, a Pareto plot and a markdown report.",
+        help="grid over relax_ratio x relax_top_k with no-spec and strict baselines, report and calibration",
+        description="Runs the same prompts and seeds under no speculation, strict speculation and every "
+        "relaxed setting of the grid, compares each cell's accuracy with strict (paired bootstrap CI, "
+        "McNemar), and writes sweep.json, sweep.csv, pareto.png and report.md. See docs/SWEEP.md.",
     )
     add_engine_args(sweep)
-    sweep.add_argument("--dataset", default="toy")
-    sweep.add_argument("--num-prompts", type=int, default=100)
-    sweep.add_argument("--relax-ratios", default="0.1,0.3,0.5")
-    sweep.add_argument("--relax-top-ks", default="2,4")
+    _add_dataset_args(sweep)
+    sweep.add_argument("--relax-ratios", default="0.1,0.3,0.5", help="comma-separated (default: %(default)s)")
+    sweep.add_argument("--relax-top-ks", default="2,4", help="comma-separated (default: %(default)s)")
+    sweep.add_argument("--relax-deltas", default="", help="comma-separated; empty = relax_delta unset")
+    sweep.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--output-dir", default="sweep-out")
+    sweep.add_argument("--skip-no-spec", action="store_true", help="leave out the no-speculation baseline")
+    sweep.add_argument(
+        "--accuracy-budget",
+        type=float,
+        default=None,
+        help="pick the fastest setting whose accuracy drop against strict stays within this (e.g. 0.01) "
+        "at 95%% confidence, and print its speculative config JSON",
+    )
+    sweep.add_argument(
+        "--calibrate-by",
+        default="tokens_per_s",
+        choices=["tokens_per_s", "acceptance_length"],
+        help="what 'fastest' means; acceptance_length is steadier where timing is noisy (CPU)",
+    )
+    sweep.add_argument(
+        "--hf-baseline-prompts",
+        type=int,
+        default=0,
+        help="also run HF transformers generate and assisted generation (batch 1, greedy) on this many "
+        "of the prompts (default: %(default)s = off)",
+    )
+    sweep.add_argument("--no-plot", action="store_true", help="skip pareto.png (no matplotlib needed)")
     return parser
 
 
@@ -240,13 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 1
         return run_server(args)
-    if args.command in ("bench", "sweep"):
-        print(
-            f"thinkspec {args.command} is not implemented yet; benchmarks/toy_quality.py measures "
-            "accuracy and acceptance of the toy reasoner in the meantime",
-            file=sys.stderr,
-        )
-        return 2
+    if args.command == "bench":
+        from thinkspec.bench.bench import run_bench_command
+
+        return run_bench_command(args)
+    if args.command == "sweep":
+        from thinkspec.bench.sweep import run_sweep_command
+
+        return run_sweep_command(args)
     raise AssertionError(args.command)
 
 

@@ -1,0 +1,221 @@
+"""One benchmark cell: a dataset through one engine setting, graded and timed.
+
+`run_cell` sends every item in one `LLM.generate` call (the engine batches them), so tokens/s
+is the batch throughput of that setting and latency the per-request end-to-end time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from thinkspec.bench.datasets import BenchItem
+from thinkspec.bench.stats import wilson_interval
+from thinkspec.llm import LLM
+from thinkspec.outputs import RequestOutput
+from thinkspec.sampling_params import SamplingParams
+from thinkspec.spec_decode.metrics import SpecDecodeMetrics
+
+
+@dataclass(slots=True)
+class CellResult:
+    """Everything measured for one setting; `correct` keeps per-item outcomes for paired tests."""
+
+    name: str
+    setting: dict[str, Any]  # mode ("no_spec" | "strict" | "relaxed"), temperature, relax_* values
+    correct: list[bool]
+    output_tokens: list[int]
+    truncated: int
+    seconds: float
+    latencies: list[float]  # [N] end-to-end seconds per request
+    ttfts: list[float]  # [N] time to first token per request
+    spec: dict[str, Any] | None = None  # SpecDecodeMetrics.to_dict() of the cell, None without speculation
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.correct)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / max(1, self.n)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.output_tokens) / max(self.seconds, 1e-9)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return None if self.spec is None else self.spec["mean_acceptance_length"]
+
+    def summary(self) -> dict[str, Any]:
+        """Flat numbers for tables, CSV and JSON (per-item lists left out)."""
+        low, high = wilson_interval(sum(self.correct), self.n)
+        lat = np.asarray(self.latencies or [float("nan")])
+        row: dict[str, Any] = {
+            "name": self.name,
+            **self.setting,
+            "num_prompts": self.n,
+            "num_correct": sum(self.correct),
+            "accuracy": self.accuracy,
+            "accuracy_ci_low": low,
+            "accuracy_ci_high": high,
+            "mean_output_tokens": float(np.mean(self.output_tokens)) if self.output_tokens else 0.0,
+            "truncation_rate": self.truncated / max(1, self.n),
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "latency_mean_s": float(np.mean(lat)),
+            "latency_p50_s": float(np.percentile(lat, 50)),
+            "latency_p90_s": float(np.percentile(lat, 90)),
+            "ttft_mean_s": float(np.mean(self.ttfts)) if self.ttfts else float("nan"),
+        }
+        if self.spec is not None:
+            by_phase = self.spec["by_phase"]
+            row.update(
+                mean_acceptance_length=self.spec["mean_acceptance_length"],
+                thinking_acceptance_length=by_phase["thinking"]["mean_acceptance_length"],
+                answer_acceptance_length=by_phase["answer"]["mean_acceptance_length"],
+                draft_acceptance_rate=self.spec["draft_acceptance_rate"],
+                relaxed_share=self.spec["relaxed_share"],
+                acceptance_rate_per_pos=self.spec["acceptance_rate_per_pos"],
+            )
+        row.update(self.extra)
+        return row
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CellResult:
+        return cls(**data)
+
+
+def format_prompts(llm: LLM, items: list[BenchItem]) -> list[str]:
+    """Item prompts as engine input text; chat items go through the tokenizer's chat template."""
+    tokenizer = llm.get_tokenizer()
+    out = []
+    for item in items:
+        if item.chat and getattr(tokenizer, "chat_template", None) is not None:
+            msgs = [{"role": "user", "content": item.prompt}]
+            out.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        else:
+            out.append(item.prompt)
+    return out
+
+
+def sampling_params_for(
+    num_items: int, temperature: float, max_tokens: int, seed: int, **overrides: Any
+) -> list[SamplingParams]:
+    """One SamplingParams per item; sampled runs seed item i with seed + i so every cell sees the
+    same random stream per problem and cells differ only by the setting."""
+    return [
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=None if temperature == 0 else seed + i,
+            **overrides,
+        )
+        for i in range(num_items)
+    ]
+
+
+def run_cell(
+    llm: LLM,
+    items: list[BenchItem],
+    name: str,
+    setting: dict[str, Any],
+    temperature: float = 0.0,
+    max_tokens: int = 512,
+    seed: int = 0,
+    prompts: list[str] | None = None,
+    use_tqdm: bool = True,
+    **overrides: Any,
+) -> CellResult:
+    """Generate for all items with `overrides` (relaxed_thinking, relax_ratio, ...) and grade them."""
+    prompts = format_prompts(llm, items) if prompts is None else prompts
+    params = sampling_params_for(len(items), temperature, max_tokens, seed, **overrides)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    seconds = time.perf_counter() - t0
+    return grade_outputs(
+        outs, items, name, setting, seconds, speculating=llm.llm_engine.speculator is not None
+    )
+
+
+def grade_outputs(
+    outs: list[RequestOutput],
+    items: list[BenchItem],
+    name: str,
+    setting: dict[str, Any],
+    seconds: float,
+    speculating: bool,
+) -> CellResult:
+    failed = [o for o in outs if o.error is not None]
+    if failed:
+        raise RuntimeError(f"cell {name!r}: {len(failed)} requests failed, first: {failed[0].error}")
+    spec = None
+    if speculating:
+        total = SpecDecodeMetrics()
+        for o in outs:
+            if o.metrics is not None and o.metrics.spec_decode is not None:
+                total.merge(o.metrics.spec_decode)
+        spec = total.to_dict()
+    latencies, ttfts = [], []
+    for o in outs:
+        if o.metrics is not None and o.metrics.e2e_latency is not None:
+            latencies.append(o.metrics.e2e_latency)
+        if o.metrics is not None and o.metrics.time_to_first_token is not None:
+            ttfts.append(o.metrics.time_to_first_token)
+    return CellResult(
+        name=name,
+        setting=dict(setting),
+        correct=[item.grade(o.outputs[0].text) for o, item in zip(outs, items)],
+        output_tokens=[len(o.outputs[0].token_ids) for o in outs],
+        truncated=sum(o.outputs[0].finish_reason == "length" for o in outs),
+        seconds=seconds,
+        latencies=latencies,
+        ttfts=ttfts,
+        spec=spec,
+    )
+
+
+def run_bench_command(args: Any) -> int:
+    """`thinkspec bench`: one engine configuration on a dataset; a table on stdout, JSON on request."""
+    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.bench.report import format_table, write_json
+    from thinkspec.entrypoints.cli import engine_kwargs
+
+    try:
+        items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+        llm = LLM(**engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        print(f"thinkspec bench: error: {e}", file=sys.stderr)
+        return 2
+    spec = llm.llm_engine.speculator is not None
+    setting = {"mode": "spec" if spec else "no_spec", "temperature": args.temperature}
+    cell = run_cell(
+        llm,
+        items,
+        setting["mode"],
+        setting,
+        args.temperature,
+        args.max_tokens,
+        args.sampling_seed,
+        use_tqdm=not args.no_progress,
+    )
+    row = cell.summary()
+    print(format_table([row]))
+    if args.output_json:
+        write_json(
+            {
+                "config": {"dataset": args.dataset, "model": args.model},
+                "summary": row,
+                "cell": cell.to_dict(),
+            },
+            args.output_json,
+        )
+    return 0

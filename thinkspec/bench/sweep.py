@@ -1,0 +1,448 @@
+"""The relaxation sweep: relax_ratio x relax_top_k (x relax_delta) against two baselines.
+
+Every cell answers the same items with the same per-item seeds. One speculative LLM (strict
+config) serves the strict cell and, through the per-request overrides in SamplingParams, every
+relaxed cell; one plain LLM serves the no-speculation baseline. Each cell's accuracy is compared
+with strict at the same temperature by a paired bootstrap CI and an exact McNemar test.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinkspec.bench.bench import CellResult, format_prompts, run_cell
+from thinkspec.bench.datasets import BenchItem
+from thinkspec.bench.stats import compare_paired
+from thinkspec.config import SpeculativeConfig, validate_relax_fields
+from thinkspec.llm import LLM
+
+SPEED_METRICS = ("tokens_per_s", "acceptance_length")
+
+
+@dataclass(slots=True, frozen=True)
+class RelaxSetting:
+    """One relaxed cell of the grid."""
+
+    relax_ratio: float
+    relax_top_k: int
+    relax_delta: float | None = None
+
+    def __post_init__(self) -> None:
+        validate_relax_fields(
+            relax_ratio=self.relax_ratio,
+            relax_top_k=self.relax_top_k,
+            relax_delta=self.relax_delta,
+            owner="RelaxSetting",
+        )
+
+    @property
+    def label(self) -> str:
+        s = f"r={self.relax_ratio:g} k={self.relax_top_k}"
+        return s if self.relax_delta is None else f"{s} d={self.relax_delta:g}"
+
+    def overrides(self) -> dict[str, Any]:
+        """SamplingParams fields that turn a request of the strict engine into this setting."""
+        return {
+            "relaxed_thinking": True,
+            "relax_ratio": self.relax_ratio,
+            "relax_top_k": self.relax_top_k,
+            "relax_delta": self.relax_delta,
+        }
+
+
+def make_grid(
+    ratios: Sequence[float], top_ks: Sequence[int], deltas: Sequence[float | None] = (None,)
+) -> list[RelaxSetting]:
+    """The full product, in ratio-major order."""
+    if not ratios or not top_ks:
+        raise ValueError(
+            f"the grid needs at least one ratio and one top-k, got {list(ratios)} x {list(top_ks)}"
+        )
+    return [RelaxSetting(r, k, d) for r, k, d in itertools.product(ratios, top_ks, deltas or (None,))]
+
+
+def cell_name(temperature: float, mode: str) -> str:
+    return f"T={temperature:g} {mode}"
+
+
+@dataclass(slots=True)
+class SweepResult:
+    """All cells, plus each cell's paired comparison with strict at its temperature."""
+
+    config: dict[str, Any]
+    cells: list[CellResult] = field(default_factory=list)
+    comparisons: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell name -> PairedComparison dict
+    hf: list[CellResult] = field(default_factory=list)  # HF transformers side-by-side runs
+
+    def cell(self, name: str) -> CellResult:
+        for c in self.cells:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def strict(self, temperature: float) -> CellResult:
+        return self.cell(cell_name(temperature, "strict"))
+
+    def compare_all(self, num_resamples: int = 10_000, seed: int = 0) -> None:
+        """Fill `comparisons`: every cell (strict included, a zero check) against strict."""
+        self.comparisons = {}
+        for c in self.cells:
+            ref = self.strict(c.setting["temperature"])
+            self.comparisons[c.name] = compare_paired(c.correct, ref.correct, num_resamples, seed).to_dict()
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One flat row per cell: summary numbers, the comparison with strict, frontier flags."""
+        rows = []
+        for c in self.cells:
+            row = c.summary()
+            for key, value in self.comparisons.get(c.name, {}).items():
+                row[f"vs_strict_{key}"] = value
+            rows.append(row)
+        for t in self.temperatures:
+            group = [r for r in rows if r["temperature"] == t]
+            for metric in SPEED_METRICS:
+                key = "tokens_per_s" if metric == "tokens_per_s" else "mean_acceptance_length"
+                pts = [(r["accuracy"], r.get(key)) for r in group]
+                for r, on in zip(group, pareto_frontier(pts)):
+                    r[f"frontier_{metric}"] = on
+        return rows
+
+    @property
+    def temperatures(self) -> list[float]:
+        return sorted({c.setting["temperature"] for c in self.cells})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "rows": self.rows(),
+            "comparisons": self.comparisons,
+            "cells": [c.to_dict() for c in self.cells],
+            "hf": [c.to_dict() for c in self.hf],
+            "hf_rows": [c.summary() for c in self.hf],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SweepResult:
+        return cls(
+            config=data["config"],
+            cells=[CellResult.from_dict(c) for c in data["cells"]],
+            comparisons=data.get("comparisons", {}),
+            hf=[CellResult.from_dict(c) for c in data.get("hf", [])],
+        )
+
+
+def pareto_frontier(points: Sequence[tuple[float, float | None]]) -> list[bool]:
+    """Which (accuracy, speed) points no other point beats on both (>= on both, > on one).
+
+    Points with speed None (no speculation has no acceptance length) are never on the frontier.
+    """
+    flags = []
+    for i, (acc, speed) in enumerate(points):
+        if speed is None:
+            flags.append(False)
+            continue
+        dominated = any(
+            s is not None and a >= acc and s >= speed and (a > acc or s > speed)
+            for j, (a, s) in enumerate(points)
+            if j != i
+        )
+        flags.append(not dominated)
+    return flags
+
+
+def run_sweep(
+    engine_kwargs: dict[str, Any],
+    speculative_config: dict[str, Any],
+    items: list[BenchItem],
+    settings: list[RelaxSetting],
+    temperatures: Sequence[float] = (0.0,),
+    max_tokens: int = 512,
+    seed: int = 0,
+    include_no_spec: bool = True,
+    warmup: bool = True,
+    use_tqdm: bool = True,
+    on_cell: Callable[[SweepResult], None] | None = None,
+    config: dict[str, Any] | None = None,
+) -> SweepResult:
+    """Run the baselines and every relaxed setting at each temperature; `on_cell` after each cell.
+
+    engine_kwargs: LLM(...) arguments without speculative_config. speculative_config: the
+    speculative setup (draft model, k, reasoning parser); its relaxation is switched off for
+    the strict cell and set per request for the relaxed ones.
+    """
+    if not items:
+        raise ValueError("the sweep needs at least one item")
+    for t in temperatures:
+        if t < 0:
+            raise ValueError(f"temperatures must be >= 0, got {t}")
+    strict_cfg = {**speculative_config, "relaxed_thinking": False}
+    strict_cfg.pop("relax_ratio", None)
+    strict_cfg.pop("relax_top_k", None)
+    strict_cfg.pop("relax_delta", None)
+    SpeculativeConfig.from_dict(strict_cfg)  # fail before any model loads
+    result = SweepResult(
+        config={
+            **(config or {}),
+            "num_prompts": len(items),
+            "temperatures": list(temperatures),
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "speculative_config": strict_cfg,
+            "grid": [s.label for s in settings],
+        }
+    )
+    plan: list[tuple[str, float, RelaxSetting | None]] = []
+    for t in temperatures:
+        if include_no_spec:
+            plan.append(("no_spec", t, None))
+        plan.append(("strict", t, None))
+        plan += [("relaxed", t, s) for s in settings]
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(plan), desc="sweep cells", disable=not use_tqdm, dynamic_ncols=True)
+    llms: dict[str, LLM] = {}
+    prompts: list[str] | None = None
+    try:
+        for mode, t, setting in plan:
+            kind = "plain" if mode == "no_spec" else "spec"
+            if kind not in llms:
+                llms.clear()  # one model set in memory at a time
+                cfg = None if kind == "plain" else strict_cfg
+                llms[kind] = LLM(**engine_kwargs, speculative_config=cfg)
+                prompts = format_prompts(llms[kind], items)
+                if warmup:  # compile / capture / allocate before anything is timed
+                    run_cell(
+                        llms[kind],
+                        items[:4],
+                        "warmup",
+                        {},
+                        t,
+                        min(max_tokens, 32),
+                        seed,
+                        prompts=prompts[:4],
+                        use_tqdm=False,
+                    )
+            label = mode if setting is None else setting.label
+            row_setting: dict[str, Any] = {"mode": mode, "temperature": t}
+            row_setting.update(
+                setting.overrides()
+                if setting is not None
+                else {"relax_ratio": None, "relax_top_k": None, "relax_delta": None}
+            )
+            row_setting.pop("relaxed_thinking", None)
+            bar.set_postfix_str(cell_name(t, label))
+            overrides = {} if setting is None else setting.overrides()
+            cell = run_cell(
+                llms[kind],
+                items,
+                cell_name(t, label),
+                row_setting,
+                t,
+                max_tokens,
+                seed,
+                prompts=prompts,
+                use_tqdm=use_tqdm,
+                **overrides,
+            )
+            result.cells.append(cell)
+            if on_cell is not None:
+                on_cell(result)
+            bar.update(1)
+    finally:
+        bar.close()
+    result.compare_all()
+    return result
+
+
+@dataclass(slots=True)
+class Calibration:
+    """The fastest setting whose accuracy drop against strict stays within the budget at 95%."""
+
+    temperature: float
+    accuracy_budget: float
+    by: str
+    chosen: str  # cell name
+    speculative_config: dict[str, Any]
+    candidates: list[dict[str, Any]]  # name, speed, vs-strict CI low, within_budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "accuracy_budget": self.accuracy_budget,
+            "by": self.by,
+            "chosen": self.chosen,
+            "speculative_config": self.speculative_config,
+            "candidates": self.candidates,
+        }
+
+
+def calibrate(
+    result: SweepResult, accuracy_budget: float, temperature: float, by: str = "tokens_per_s"
+) -> Calibration:
+    """Pick among strict and the relaxed cells at `temperature` those whose paired bootstrap 95%
+    CI of (cell accuracy - strict accuracy) has its low end >= -accuracy_budget, and among them the
+    fastest by `by` ("tokens_per_s", ties broken by acceptance length, or "acceptance_length",
+    ties broken by tokens/s). Strict always qualifies, so there is always an answer."""
+    if not 0 <= accuracy_budget <= 1:
+        raise ValueError(f"accuracy_budget must be in [0, 1], got {accuracy_budget}")
+    if by not in SPEED_METRICS:
+        raise ValueError(f"by must be one of {SPEED_METRICS}, got {by!r}")
+    if not result.comparisons:
+        result.compare_all()
+    candidates = []
+    for c in result.cells:
+        if c.setting["temperature"] != temperature or c.setting["mode"] == "no_spec":
+            continue
+        cmp = result.comparisons[c.name]
+        within = c.setting["mode"] == "strict" or cmp["ci_low"] >= -accuracy_budget - 1e-12
+        al = c.mean_acceptance_length or 0.0
+        key = (c.tokens_per_s, al) if by == "tokens_per_s" else (al, c.tokens_per_s)
+        candidates.append(
+            {
+                "name": c.name,
+                "tokens_per_s": c.tokens_per_s,
+                "mean_acceptance_length": al,
+                "vs_strict_ci_low": cmp["ci_low"],
+                "within_budget": within,
+                "_key": key,
+                "_cell": c,
+            }
+        )
+    if not candidates:
+        raise ValueError(f"no speculative cells at temperature {temperature:g} in the sweep")
+    best = max((x for x in candidates if x["within_budget"]), key=lambda x: x["_key"])
+    cell: CellResult = best["_cell"]
+    spec = dict(result.config["speculative_config"])
+    if cell.setting["mode"] == "relaxed":
+        spec.update(
+            relaxed_thinking=True,
+            relax_ratio=cell.setting["relax_ratio"],
+            relax_top_k=cell.setting["relax_top_k"],
+            relax_delta=cell.setting["relax_delta"],
+        )
+    spec = SpeculativeConfig.from_dict(spec).to_dict()
+    spec = {k: v for k, v in spec.items() if v is not None}
+    for x in candidates:
+        del x["_key"], x["_cell"]
+    return Calibration(temperature, accuracy_budget, by, cell.name, spec, candidates)
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from e
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from e
+
+
+def run_sweep_command(args: Any) -> int:
+    """`thinkspec sweep`: the grid, the report files, and the calibrated config when asked."""
+    import json
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.bench.report import format_table, write_json, write_sweep_outputs
+    from thinkspec.entrypoints.cli import DEFAULT_TOY, engine_kwargs
+    from thinkspec.toy.assets import resolve_model_path
+
+    def fail(message: str) -> int:
+        print(f"thinkspec sweep: error: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        settings = make_grid(
+            _floats(args.relax_ratios, "--relax-ratios"),
+            _ints(args.relax_top_ks, "--relax-top-ks"),
+            _floats(args.relax_deltas, "--relax-deltas") or [None],
+        )
+        temperatures = _floats(args.temperatures, "--temperatures")
+        if not temperatures:
+            raise ValueError("--temperatures needs at least one value")
+        if args.accuracy_budget is not None and not 0 <= args.accuracy_budget <= 1:
+            raise ValueError(f"--accuracy-budget must be in [0, 1], got {args.accuracy_budget}")
+        if args.hf_baseline_prompts < 0:
+            raise ValueError(f"--hf-baseline-prompts must be >= 0, got {args.hf_baseline_prompts}")
+        kwargs = engine_kwargs(args)
+        spec = kwargs.pop("speculative_config", None)
+        if spec is None:
+            if args.model != DEFAULT_TOY:
+                raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
+            spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
+        spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
+        items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+    except ValueError as e:
+        return fail(str(e))
+
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / "sweep.partial.json"
+    config = {
+        "dataset": args.dataset,
+        "model": kwargs["model"],
+        "device": kwargs.get("device", "auto"),
+        "dtype": kwargs.get("dtype", "auto"),
+        "command": "thinkspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"] else None,
+    }
+    result = run_sweep(
+        kwargs,
+        spec,
+        items,
+        settings,
+        temperatures,
+        args.max_tokens,
+        args.sampling_seed,
+        include_no_spec=not args.skip_no_spec,
+        use_tqdm=not args.no_progress,
+        on_cell=lambda r: write_json(r.to_dict(), partial),
+        config=config,
+    )
+    if args.hf_baseline_prompts:
+        from thinkspec.bench.hf_baseline import run_hf_generate
+
+        hf_items = items[: args.hf_baseline_prompts]
+        device = "cuda" if kwargs.get("device", "auto") in ("auto", "cuda") and _cuda() else "cpu"
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        for draft in (None, spec["model"]):
+            result.hf.append(
+                run_hf_generate(
+                    kwargs["model"],
+                    hf_items,
+                    draft,
+                    args.max_tokens,
+                    device,
+                    dtype,
+                    use_tqdm=not args.no_progress,
+                )
+            )
+    calibrations = []
+    if args.accuracy_budget is not None:
+        calibrations = [calibrate(result, args.accuracy_budget, t, args.calibrate_by) for t in temperatures]
+    paths = write_sweep_outputs(result, out_dir, calibrations, plot=not args.no_plot)
+    partial.unlink(missing_ok=True)
+    print(format_table(result.rows() + [c.summary() for c in result.hf]))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    for cal in calibrations:
+        print(
+            f"calibrated (temperature {cal.temperature:g}, budget {cal.accuracy_budget:g}, by {cal.by}): "
+            f"{cal.chosen}"
+        )
+        print(json.dumps(cal.speculative_config))
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
