@@ -1,0 +1,208 @@
+"""thinkspec.bench.sweep: grid, Pareto frontier, calibration, and a CPU smoke run of `thinkspec sweep`."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from thinkspec.bench.bench import CellResult
+from thinkspec.bench.sweep import RelaxSetting, SweepResult, calibrate, make_grid, pareto_frontier
+from thinkspec.config import SpeculativeConfig
+from thinkspec.entrypoints.cli import main
+
+
+def test_grid_is_the_full_product_and_validates():
+    grid = make_grid([0.1, 0.3], [2, 4], [None, 0.2])
+    assert len(grid) == 8 and len(set(grid)) == 8
+    assert grid[0] == RelaxSetting(0.1, 2, None) and grid[-1].label == "r=0.3 k=4 d=0.2"
+    assert grid[0].overrides() == {
+        "relaxed_thinking": True,
+        "relax_ratio": 0.1,
+        "relax_top_k": 2,
+        "relax_delta": None,
+    }
+    with pytest.raises(ValueError, match="relax_top_k"):
+        RelaxSetting(0.1, 0)
+    with pytest.raises(ValueError, match="relax_ratio"):
+        RelaxSetting(1.5, 2)
+    with pytest.raises(ValueError, match="at least one"):
+        make_grid([], [2])
+
+
+def test_pareto_frontier_hand_cases():
+    pts = [(0.9, 10.0), (0.8, 12.0), (0.8, 11.0), (0.95, 9.0), (0.7, 12.0), (0.99, None)]
+    assert pareto_frontier(pts) == [True, True, False, True, False, False]
+    assert pareto_frontier([(0.5, 1.0), (0.5, 1.0)]) == [True, True]  # ties dominate neither
+
+
+def _cell(name, mode, correct, tok_s, al, temperature=0.0, ratio=None, top_k=None):
+    n = len(correct)
+    spec = None
+    if mode != "no_spec":
+        spec = {
+            "mean_acceptance_length": al,
+            "draft_acceptance_rate": 0.5,
+            "relaxed_share": 0.0,
+            "acceptance_rate_per_pos": [0.5],
+            "by_phase": {
+                "thinking": {"mean_acceptance_length": al},
+                "answer": {"mean_acceptance_length": al},
+            },
+        }
+    return CellResult(
+        name=name,
+        setting={
+            "mode": mode,
+            "temperature": temperature,
+            "relax_ratio": ratio,
+            "relax_top_k": top_k,
+            "relax_delta": None,
+        },
+        correct=list(correct),
+        output_tokens=[100] * n,
+        truncated=0,
+        seconds=100 * n / tok_s,
+        latencies=[1.0] * n,
+        ttfts=[0.1] * n,
+        spec=spec,
+    )
+
+
+def synthetic_sweep() -> SweepResult:
+    n = 400
+    strict = [True] * n
+    dropped = [i >= 40 for i in range(n)]  # 10% worse than strict: far outside a 2% budget
+    slight = [i != 0 for i in range(n)]  # one problem worse: inside a 2% budget
+    cfg = {
+        "speculative_config": {
+            "model": "draft",
+            "num_speculative_tokens": 4,
+            "reasoning_parser": "qwen3",
+            "relaxed_thinking": False,
+        },
+        "num_prompts": n,
+    }
+    result = SweepResult(config=cfg)
+    result.cells = [
+        _cell("T=0 no_spec", "no_spec", strict, 500.0, None),
+        _cell("T=0 strict", "strict", strict, 1000.0, 3.0),
+        _cell("T=0 r=0.5 k=8", "relaxed", dropped, 1500.0, 3.8, ratio=0.5, top_k=8),
+        _cell("T=0 r=0.1 k=4", "relaxed", slight, 1200.0, 3.3, ratio=0.1, top_k=4),
+        _cell("T=0 r=0.1 k=2", "relaxed", strict, 1100.0, 3.5, ratio=0.1, top_k=2),
+    ]
+    result.compare_all(num_resamples=2000)
+    return result
+
+
+def test_calibration_picks_the_fastest_setting_within_budget():
+    result = synthetic_sweep()
+    cal = calibrate(result, 0.02, 0.0)
+    assert cal.chosen == "T=0 r=0.1 k=4"  # fastest whose CI low end stays above -0.02
+    assert cal.speculative_config["relax_ratio"] == 0.1 and cal.speculative_config["relax_top_k"] == 4
+    assert cal.speculative_config["relaxed_thinking"] is True
+    SpeculativeConfig.from_dict(cal.speculative_config)  # a config the engine accepts
+    within = {c["name"]: c["within_budget"] for c in cal.candidates}
+    assert within == {
+        "T=0 strict": True,
+        "T=0 r=0.5 k=8": False,
+        "T=0 r=0.1 k=4": True,
+        "T=0 r=0.1 k=2": True,
+    }
+    assert calibrate(result, 0.02, 0.0, by="acceptance_length").chosen == "T=0 r=0.1 k=2"
+    assert calibrate(result, 0.2, 0.0).chosen == "T=0 r=0.5 k=8"  # a loose budget admits the big drop
+    zero = calibrate(result, 0.0, 0.0)
+    assert zero.chosen == "T=0 r=0.1 k=2"  # identical outcomes: CI is [0, 0]
+    with pytest.raises(ValueError, match="accuracy_budget"):
+        calibrate(result, -0.1, 0.0)
+    with pytest.raises(ValueError, match="by must be"):
+        calibrate(result, 0.1, 0.0, by="latency")
+
+
+def test_calibration_falls_back_to_strict():
+    result = synthetic_sweep()
+    result.cells = [c for c in result.cells if c.name in ("T=0 strict", "T=0 r=0.5 k=8")]
+    result.compare_all(num_resamples=500)
+    cal = calibrate(result, 0.01, 0.0)
+    assert cal.chosen == "T=0 strict" and cal.speculative_config["relaxed_thinking"] is False
+
+
+def test_rows_mark_the_frontier_and_round_trip():
+    result = synthetic_sweep()
+    rows = {r["name"]: r for r in result.rows()}
+    assert rows["T=0 strict"]["vs_strict_diff"] == 0.0 and rows["T=0 strict"]["vs_strict_mcnemar_p"] == 1.0
+    assert rows["T=0 r=0.5 k=8"]["vs_strict_only_reference"] == 40
+    assert rows["T=0 r=0.5 k=8"]["vs_strict_mcnemar_p"] < 1e-9
+    # strict (acc 1.0, 1000 tok/s) is dominated by r=0.1 k=2 (acc 1.0, 1100 tok/s); r=0.1 k=4 trades
+    # one problem for more speed, r=0.5 k=8 forty problems for the most speed
+    assert [n for n, r in rows.items() if r["frontier_tokens_per_s"]] == [
+        "T=0 r=0.5 k=8",
+        "T=0 r=0.1 k=4",
+        "T=0 r=0.1 k=2",
+    ]
+    assert not rows["T=0 no_spec"]["frontier_acceptance_length"]
+    again = SweepResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again.rows() == result.rows()
+
+
+@pytest.mark.slow
+def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
+    """Tiny grid on the bundled toy pair; outputs truncated (the toy answers need ~250 tokens)."""
+    out = tmp_path / "sweep"
+    argv = [
+        "sweep",
+        "--device",
+        "cpu",
+        "--num-prompts",
+        "3",
+        "--max-tokens",
+        "24",
+        "--relax-ratios",
+        "0.1,0.5",
+        "--relax-top-ks",
+        "8",
+        "--output-dir",
+        str(out),
+        "--accuracy-budget",
+        "0.05",
+        "--calibrate-by",
+        "acceptance_length",
+        "--hf-baseline-prompts",
+        "1",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} == {"sweep.json", "sweep.csv", "pareto.png", "report.md"}
+    data = json.loads((out / "sweep.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["T=0 no_spec", "T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.5 k=8"]
+    for r in rows.values():
+        assert r["num_prompts"] == 3 and r["truncation_rate"] == 1.0 and r["mean_output_tokens"] == 24.0
+        assert r["tokens_per_s"] == pytest.approx(3 * 24 / r["seconds"])
+    assert "mean_acceptance_length" not in rows["T=0 no_spec"]
+    assert rows["T=0 strict"]["relaxed_share"] == 0.0 and rows["T=0 strict"]["vs_strict_diff"] == 0.0
+    for name in ("T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.5 k=8"):
+        assert 1.0 <= rows[name]["mean_acceptance_length"] <= 5.0
+    assert any(r["frontier_acceptance_length"] for r in rows.values())
+    assert [r["mode"] for r in data["hf_rows"]] == ["hf_generate", "hf_assisted"]
+    # greedy assisted generation is lossless: same tokens, same grade as plain generate
+    hf_plain, hf_assisted = data["hf"]
+    assert (
+        hf_plain["output_tokens"] == hf_assisted["output_tokens"]
+        and hf_plain["correct"] == hf_assisted["correct"]
+    )
+    cal = data["calibrations"][0]
+    assert cal["chosen"] in rows and rows[cal["chosen"]]["mode"] in ("strict", "relaxed")
+    assert json.dumps(cal["speculative_config"]) in printed
+    with open(out / "sweep.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["name"] for r in csv_rows] == [*rows, "hf_generate", "hf_assisted"]
+    assert float(csv_rows[1]["accuracy"]) == rows["T=0 strict"]["accuracy"]
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert (
+        "| T=0 strict |" in report and "Pareto frontier" in report and "![Pareto plot](pareto.png)" in report
+    )
+    assert "HF transformers" in report and cal["chosen"] in report.split("## Calibration")[1]
