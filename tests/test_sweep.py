@@ -206,3 +206,34 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
         "| T=0 strict |" in report and "Pareto frontier" in report and "![Pareto plot](pareto.png)" in report
     )
     assert "HF transformers" in report and cal["chosen"] in report.split("## Calibration")[1]
+
+    # --resume keeps finished cells (same measurements) and runs only the new one
+    (out / "sweep.partial.json").write_text((out / "sweep.json").read_text())
+    argv2 = [
+        "sweep",
+        "--device",
+        "cpu",
+        "--num-prompts",
+        "3",
+        "--max-tokens",
+        "24",
+        "--relax-ratios",
+        "0.1,0.3,0.5",
+        "--relax-top-ks",
+        "8",
+        "--output-dir",
+        str(out),
+        "--resume",
+        "--no-progress",
+        "--no-plot",
+    ]
+    assert main(argv2) == 0
+    assert "resuming: 4 cells" in capsys.readouterr().err
+    resumed = {r["name"]: r for r in json.loads((out / "sweep.json").read_text())["rows"]}
+    assert list(resumed) == ["T=0 no_spec", "T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.3 k=8", "T=0 r=0.5 k=8"]
+    assert all(resumed[n]["seconds"] == rows[n]["seconds"] for n in rows)
+    assert not (out / "sweep.partial.json").exists()
+    bad = ["sweep", "--device", "cpu", "--num-prompts", "4", "--output-dir", str(out), "--resume"]
+    (out / "sweep.partial.json").write_text((out / "sweep.json").read_text())
+    assert main([*bad, "--no-progress"]) == 2
+    assert "cannot resume" in capsys.readouterr().err

@@ -166,12 +166,14 @@ def run_sweep(
     use_tqdm: bool = True,
     on_cell: Callable[[SweepResult], None] | None = None,
     config: dict[str, Any] | None = None,
+    previous: SweepResult | None = None,
 ) -> SweepResult:
     """Run the baselines and every relaxed setting at each temperature; `on_cell` after each cell.
 
     engine_kwargs: LLM(...) arguments without speculative_config. speculative_config: the
     speculative setup (draft model, k, reasoning parser); its relaxation is switched off for
-    the strict cell and set per request for the relaxed ones.
+    the strict cell and set per request for the relaxed ones. previous: an interrupted sweep of
+    the same dataset and settings whose finished cells are kept instead of rerun.
     """
     if not items:
         raise ValueError("the sweep needs at least one item")
@@ -194,12 +196,23 @@ def run_sweep(
             "grid": [s.label for s in settings],
         }
     )
-    plan: list[tuple[str, float, RelaxSetting | None]] = []
+    order: list[tuple[str, float, RelaxSetting | None]] = []  # report order: by temperature
     for t in temperatures:
         if include_no_spec:
-            plan.append(("no_spec", t, None))
-        plan.append(("strict", t, None))
-        plan += [("relaxed", t, s) for s in settings]
+            order.append(("no_spec", t, None))
+        order.append(("strict", t, None))
+        order += [("relaxed", t, s) for s in settings]
+    done: dict[str, CellResult] = {}
+    if previous is not None:
+        keys = ("dataset", "num_prompts", "max_tokens", "seed", "speculative_config")
+        mismatch = [k for k in keys if previous.config.get(k) != result.config.get(k)]
+        if mismatch:
+            raise ValueError(f"cannot resume: the earlier sweep differs in {mismatch}")
+        done = {c.name: c for c in previous.cells}
+    # Run order: plain cells first, then speculative ones, so each LLM loads once.
+    plan = [x for x in order if x[0] == "no_spec"] + [x for x in order if x[0] != "no_spec"]
+    plan = [x for x in plan if cell_name(x[1], x[0] if x[2] is None else x[2].label) not in done]
+    result.cells = list(done.values())
 
     from tqdm.auto import tqdm
 
@@ -213,6 +226,7 @@ def run_sweep(
                 llms.clear()  # one model set in memory at a time
                 cfg = None if kind == "plain" else strict_cfg
                 llms[kind] = LLM(**engine_kwargs, speculative_config=cfg)
+                result.config["device"] = _device_name(llms[kind])
                 prompts = format_prompts(llms[kind], items)
                 if warmup:  # compile / capture / allocate before anything is timed
                     run_cell(
@@ -254,6 +268,8 @@ def run_sweep(
             bar.update(1)
     finally:
         bar.close()
+    rank = {cell_name(t, m if st is None else st.label): i for i, (m, t, st) in enumerate(order)}
+    result.cells.sort(key=lambda c: rank.get(c.name, len(rank)))
     result.compare_all()
     return result
 
@@ -388,6 +404,10 @@ def run_sweep_command(args: Any) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "sweep.partial.json"
+    previous = None
+    if args.resume and partial.is_file():
+        previous = SweepResult.from_dict(json.loads(partial.read_text(encoding="utf-8")))
+        print(f"resuming: {len(previous.cells)} cells already in {partial}", file=sys.stderr)
     config = {
         "dataset": args.dataset,
         "model": kwargs["model"],
@@ -395,25 +415,38 @@ def run_sweep_command(args: Any) -> int:
         "dtype": kwargs.get("dtype", "auto"),
         "command": "thinkspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"] else None,
     }
-    result = run_sweep(
-        kwargs,
-        spec,
-        items,
-        settings,
-        temperatures,
-        args.max_tokens,
-        args.sampling_seed,
-        include_no_spec=not args.skip_no_spec,
-        use_tqdm=not args.no_progress,
-        on_cell=lambda r: write_json(r.to_dict(), partial),
-        config=config,
-    )
+    try:
+        result = run_sweep(
+            kwargs,
+            spec,
+            items,
+            settings,
+            temperatures,
+            args.max_tokens,
+            args.sampling_seed,
+            include_no_spec=not args.skip_no_spec,
+            use_tqdm=not args.no_progress,
+            on_cell=lambda r: write_json(r.to_dict(), partial),
+            config=config,
+            previous=previous,
+        )
+    except ValueError as e:
+        return fail(str(e))
     if args.hf_baseline_prompts:
         from thinkspec.bench.hf_baseline import run_hf_generate
 
         hf_items = items[: args.hf_baseline_prompts]
         device = "cuda" if kwargs.get("device", "auto") in ("auto", "cuda") and _cuda() else "cpu"
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = {
+            "bf16": "bfloat16",
+            "fp16": "float16",
+            "half": "float16",
+            "fp32": "float32",
+            "float": "float32",
+        }
+        dtype = dtype.get(kwargs.get("dtype", "auto"), kwargs.get("dtype", "auto"))
+        if dtype == "auto":  # as the engine: the checkpoint's bf16 on GPU, fp32 on CPU
+            dtype = "bfloat16" if device == "cuda" else "float32"
         for draft in (None, spec["model"]):
             result.hf.append(
                 run_hf_generate(
@@ -440,6 +473,15 @@ def run_sweep_command(args: Any) -> int:
         )
         print(json.dumps(cal.speculative_config))
     return 0
+
+
+def _device_name(llm: LLM) -> str:
+    import torch
+
+    device = torch.device(llm.llm_engine.device)
+    dtype = str(llm.llm_engine.model_info.dtype).removeprefix("torch.")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name}, {dtype}"
 
 
 def _cuda() -> bool:

@@ -251,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run HF transformers generate and assisted generation (batch 1, greedy) on this many "
         "of the prompts (default: %(default)s = off)",
     )
+    sweep.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished cells of an interrupted sweep (OUTPUT_DIR/sweep.partial.json), run the rest",
+    )
     sweep.add_argument("--no-plot", action="store_true", help="skip pareto.png (no matplotlib needed)")
     return parser
 
