@@ -208,7 +208,6 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     assert "HF transformers" in report and cal["chosen"] in report.split("## Calibration")[1]
 
     # --resume keeps finished cells (same measurements) and runs only the new one
-    (out / "sweep.partial.json").write_text((out / "sweep.json").read_text())
     argv2 = [
         "sweep",
         "--device",
@@ -232,6 +231,10 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     resumed = {r["name"]: r for r in json.loads((out / "sweep.json").read_text())["rows"]}
     assert list(resumed) == ["T=0 no_spec", "T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.3 k=8", "T=0 r=0.5 k=8"]
     assert all(resumed[n]["seconds"] == rows[n]["seconds"] for n in rows)
+    assert [r["mode"] for r in json.loads((out / "sweep.json").read_text())["hf_rows"]] == [
+        "hf_generate",
+        "hf_assisted",
+    ]
     assert not (out / "sweep.partial.json").exists()
     bad = ["sweep", "--device", "cpu", "--num-prompts", "4", "--output-dir", str(out), "--resume"]
     (out / "sweep.partial.json").write_text((out / "sweep.json").read_text())

@@ -405,9 +405,10 @@ def run_sweep_command(args: Any) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "sweep.partial.json"
     previous = None
-    if args.resume and partial.is_file():
-        previous = SweepResult.from_dict(json.loads(partial.read_text(encoding="utf-8")))
-        print(f"resuming: {len(previous.cells)} cells already in {partial}", file=sys.stderr)
+    earlier = partial if partial.is_file() else out_dir / "sweep.json"
+    if args.resume and earlier.is_file():
+        previous = SweepResult.from_dict(json.loads(earlier.read_text(encoding="utf-8")))
+        print(f"resuming: {len(previous.cells)} cells already in {earlier}", file=sys.stderr)
     config = {
         "dataset": args.dataset,
         "model": kwargs["model"],
@@ -432,6 +433,8 @@ def run_sweep_command(args: Any) -> int:
         )
     except ValueError as e:
         return fail(str(e))
+    if previous is not None and not args.hf_baseline_prompts:
+        result.hf = previous.hf  # a resumed sweep keeps the side-by-side runs it already has
     if args.hf_baseline_prompts:
         from thinkspec.bench.hf_baseline import run_hf_generate
 

@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--resume",
         action="store_true",
-        help="keep the finished cells of an interrupted sweep (OUTPUT_DIR/sweep.partial.json), run the rest",
+        help="keep the cells already in OUTPUT_DIR (sweep.partial.json of an interrupted run, else "
+        "sweep.json) and run only the missing ones, e.g. a second temperature",
     )
     sweep.add_argument("--no-plot", action="store_true", help="skip pareto.png (no matplotlib needed)")
     return parser
