@@ -11,43 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-from thinkspec import LLM, SamplingParams
+from thinkspec import LLM
+from thinkspec.bench.bench import run_cell
+from thinkspec.bench.datasets import BenchItem, load_dataset
 from thinkspec.toy.assets import ASSETS_DIR
-from thinkspec.toy.task import chat_prompt, generate_samples, grade
 
 TOY = ASSETS_DIR / "toy-reasoner"
 
 
-def run_mode(llm: LLM, prompts: list[str], problems: list, max_tokens: int) -> dict:
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=True)
-    seconds = time.perf_counter() - t0
-    correct = [grade(o.outputs[0].text, p) for o, p in zip(outs, problems)]
-    n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    row = {
-        "accuracy": sum(correct) / len(correct),
-        "num_correct": sum(correct),
-        "mean_output_tokens": n_tokens / len(outs),
-        "truncated": sum(o.outputs[0].finish_reason == "length" for o in outs),
-        "seconds": seconds,
-        "tokens_per_s": n_tokens / seconds,
-        "correct": correct,
-    }
-    m = llm.last_spec_metrics
-    if m is not None:
-        row.update(
-            mean_acceptance_length=m.mean_acceptance_length(),
-            thinking_acceptance_length=m.mean_acceptance_length("thinking"),
-            answer_acceptance_length=m.mean_acceptance_length("answer"),
-            draft_acceptance_rate=m.draft_acceptance_rate(),
-            relaxed_share=m.relaxed_share(),
-            thinking_share_of_drafts=m.phase("thinking").num_draft_tokens / max(1, m.total.num_draft_tokens),
-            metrics=m.to_dict(),
-        )
+def run_mode(llm: LLM, items: list[BenchItem], max_tokens: int) -> dict:
+    cell = run_cell(llm, items, "mode", {}, temperature=0.0, max_tokens=max_tokens)
+    row = cell.summary()
+    row["correct"] = cell.correct
+    if cell.spec is not None:
+        drafts = cell.spec["by_phase"]["thinking"]["num_draft_tokens"]
+        row["thinking_share_of_drafts"] = drafts / max(1, cell.spec["num_draft_tokens"])
+        row["metrics"] = cell.spec
     return row
 
 
@@ -65,9 +46,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    samples = generate_samples(args.num_problems, seed=args.seed)
-    prompts = [chat_prompt(s.problem.question) for s in samples]
-    problems = [s.problem for s in samples]
+    items = load_dataset("toy", args.num_problems, seed=args.seed)
     common = dict(device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192)
     modes: list[tuple[str, dict | None]] = [] if args.no_baseline else [("no_spec", None)]
     for draft in args.drafts.split(","):
@@ -81,7 +60,7 @@ def main() -> None:
     result = {"num_problems": args.num_problems, "seed": args.seed, "k": args.k, "modes": rows}
     for name, cfg in modes:
         llm = LLM(TOY / "target", speculative_config=cfg, **common)
-        rows[name] = run_mode(llm, prompts, problems, args.max_tokens)
+        rows[name] = run_mode(llm, items, args.max_tokens)
         if args.out:  # after every mode, so a cut-short run keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"toy reasoner, {args.num_problems} problems (seed {args.seed}), greedy, k={args.k}")
@@ -94,6 +73,7 @@ def main() -> None:
             cells.append(f"{r[key]:.2f}" if key in r else "-")
         cells += [f"{r['tokens_per_s']:.0f}", f"{r['mean_output_tokens']:.1f}"]
         print(f"{name:<28} " + " ".join(f"{c:>8}" for c in cells))
+
 
 if __name__ == "__main__":
     main()
