@@ -216,6 +216,15 @@ def test_bench_command_writes_json_and_table(ckpt, tmp_path, capsys):
     assert len(data["cell"]["correct"]) == 2
 
 
-def test_bench_command_rejects_a_bad_dataset(capsys):
-    assert main(["bench", "--dataset", "/nonexistent.jsonl", "--device", "cpu"]) == 2
-    assert "thinkspec bench: error: dataset must be" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dataset", "/nonexistent.jsonl"], "dataset must be"),
+        (["--temperature", "-0.5"], "temperature must be"),
+        (["--num-prompts", "0"], "num_prompts must be >= 1"),
+    ],
+)
+def test_bench_command_rejects_bad_flags(capsys, flags, message):
+    assert main(["bench", "/nonexistent/model", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "thinkspec bench: error:" in err and message in err

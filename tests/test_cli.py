@@ -188,6 +188,8 @@ def test_bench_and_sweep_are_implemented(capsys, command):
         (["--accuracy-budget", "2"], "--accuracy-budget must be in [0, 1]"),
         (["--hf-baseline-prompts", "-1"], "--hf-baseline-prompts must be >= 0"),
         (["--dataset", "/nonexistent.jsonl"], "dataset must be"),
+        (["--temperatures", "0,-1"], "temperature must be"),
+        (["--max-tokens", "0"], "max_tokens must be"),
     ],
 )
 def test_sweep_rejects_bad_flags_before_loading(capsys, tmp_path, flags, message):

@@ -190,6 +190,7 @@ def run_bench_command(args: Any) -> int:
     from thinkspec.entrypoints.cli import engine_kwargs
 
     try:
+        sampling_params_for(1, args.temperature, args.max_tokens, args.sampling_seed)  # fail before loading
         items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
         llm = LLM(**engine_kwargs(args))
     except (ValueError, OSError) as e:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinkspec.bench.bench import CellResult, format_prompts, run_cell
+from thinkspec.bench.bench import CellResult, format_prompts, run_cell, sampling_params_for
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.stats import compare_paired
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
@@ -397,6 +397,8 @@ def run_sweep_command(args: Any) -> int:
                 raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
             spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
         spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
+        for t in temperatures:
+            sampling_params_for(1, t, args.max_tokens, args.sampling_seed)  # fail before loading
         items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
     except ValueError as e:
         return fail(str(e))
