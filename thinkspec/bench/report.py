@@ -139,6 +139,14 @@ def plot_pareto(result: SweepResult, path: str | Path) -> None:
     plt.close(fig)
 
 
+def _short_paths(spec: dict[str, Any]) -> dict[str, Any]:
+    """The bundled toy checkpoints by their short names, so a report does not show install paths."""
+    from thinkspec.toy.assets import TOY_MODELS
+
+    names = {str(path): name for name, path in TOY_MODELS.items()}
+    return {k: names.get(v, v) if isinstance(v, str) else v for k, v in spec.items()}
+
+
 def markdown_report(result: SweepResult, calibrations: list[Calibration], plot_name: str | None) -> str:
     cfg = result.config
     lines = [
@@ -148,11 +156,12 @@ def markdown_report(result: SweepResult, calibrations: list[Calibration], plot_n
         f"{cfg['max_tokens']}, temperatures {', '.join(f'{t:g}' for t in cfg['temperatures'])}, "
         f"sampling seed {cfg['seed']} (item i uses seed + i), device {cfg.get('device', '?')}.",
         "",
-        f"Speculative setup (strict): `{json.dumps(cfg['speculative_config'])}`",
+        f"Speculative setup (strict): `{json.dumps(_short_paths(cfg['speculative_config']))}`",
         "",
     ]
-    if cfg.get("command"):
-        lines += [f"Command: `{cfg['command']}`", ""]
+    if cfg.get("commands"):
+        lines += ["Commands (a resumed sweep adds cells to the earlier ones):", ""]
+        lines += [f"    {c}" for c in cfg["commands"]] + [""]
     lines += [
         "Accuracy CI: Wilson 95%. `d strict`: accuracy minus strict's on the same prompts, with its "
         "paired bootstrap 95% CI (`d lo`, `d hi`) and the exact McNemar p-value. AL: mean acceptance "
@@ -202,7 +211,7 @@ def markdown_report(result: SweepResult, calibrations: list[Calibration], plot_n
             f"Fastest by {cal.by} among settings whose paired 95% CI low end of (accuracy - strict) is "
             f">= -{cal.accuracy_budget:g}: **{cal.chosen}**.",
             "",
-            f"```json\n{json.dumps(cal.speculative_config)}\n```",
+            f"```json\n{json.dumps(_short_paths(cal.speculative_config))}\n```",
             "",
         ]
     return "\n".join(lines)

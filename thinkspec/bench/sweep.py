@@ -270,6 +270,7 @@ def run_sweep(
         bar.close()
     rank = {cell_name(t, m if st is None else st.label): i for i, (m, t, st) in enumerate(order)}
     result.cells.sort(key=lambda c: rank.get(c.name, len(rank)))
+    result.config["temperatures"] = result.temperatures  # resumed cells included
     result.compare_all()
     return result
 
@@ -416,8 +417,12 @@ def run_sweep_command(args: Any) -> int:
         "model": kwargs["model"],
         "device": kwargs.get("device", "auto"),
         "dtype": kwargs.get("dtype", "auto"),
-        "command": "thinkspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"] else None,
     }
+    # Every invocation that added cells, in order: a resumed sweep's report lists them all.
+    commands = [] if previous is None else list(previous.config.get("commands", []))
+    if sys.argv[1:2] == ["sweep"]:
+        commands.append("thinkspec " + shlex.join(sys.argv[1:]))
+    config["commands"] = commands
     try:
         result = run_sweep(
             kwargs,
@@ -466,7 +471,9 @@ def run_sweep_command(args: Any) -> int:
             )
     calibrations = []
     if args.accuracy_budget is not None:
-        calibrations = [calibrate(result, args.accuracy_budget, t, args.calibrate_by) for t in temperatures]
+        calibrations = [
+            calibrate(result, args.accuracy_budget, t, args.calibrate_by) for t in result.temperatures
+        ]
     paths = write_sweep_outputs(result, out_dir, calibrations, plot=not args.no_plot)
     partial.unlink(missing_ok=True)
     print(format_table(result.rows() + [c.summary() for c in result.hf]))
