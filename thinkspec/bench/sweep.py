@@ -223,7 +223,7 @@ def run_sweep(
         for mode, t, setting in plan:
             kind = "plain" if mode == "no_spec" else "spec"
             if kind not in llms:
-                llms.clear()  # one model set in memory at a time
+                _release(llms)  # one model set in memory at a time
                 cfg = None if kind == "plain" else strict_cfg
                 llms[kind] = LLM(**engine_kwargs, speculative_config=cfg)
                 result.config["device"] = _device_name(llms[kind])
@@ -268,6 +268,7 @@ def run_sweep(
             bar.update(1)
     finally:
         bar.close()
+        _release(llms)
     rank = {cell_name(t, m if st is None else st.label): i for i, (m, t, st) in enumerate(order)}
     result.cells.sort(key=lambda c: rank.get(c.name, len(rank)))
     result.config["temperatures"] = result.temperatures  # resumed cells included
@@ -485,6 +486,18 @@ def run_sweep_command(args: Any) -> int:
         )
         print(json.dumps(cal.speculative_config))
     return 0
+
+
+def _release(llms: dict[str, LLM]) -> None:
+    """Drop the engines and return their memory: the next engine sizes its KV pool from what is free."""
+    import gc
+
+    import torch
+
+    llms.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _device_name(llm: LLM) -> str:
