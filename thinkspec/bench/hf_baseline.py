@@ -47,6 +47,7 @@ def run_hf_generate(
     correct, lengths, latencies = [], [], []
     truncated = 0
     total = 0.0
+    warm = True  # the first item runs once untimed (kernel selection, allocator warm-up)
     for item in tqdm(items, desc=mode, disable=not use_tqdm, dynamic_ncols=True):
         text = item.prompt
         if item.chat and has_template:
@@ -58,6 +59,10 @@ def run_hf_generate(
         )
         if assistant is not None:
             kwargs["assistant_model"] = assistant
+        if warm:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), **{**kwargs, "max_new_tokens": 8})
+            warm = False
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
