@@ -240,3 +240,25 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     (out / "sweep.partial.json").write_text((out / "sweep.json").read_text())
     assert main([*bad, "--no-progress"]) == 2
     assert "cannot resume" in capsys.readouterr().err
+
+
+def test_reports_without_matplotlib(tmp_path, monkeypatch):
+    import sys
+
+    from thinkspec.bench.report import write_sweep_outputs
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    result = synthetic_sweep()
+    cal = calibrate(result, 0.02, 0.0)
+    paths = write_sweep_outputs(result, tmp_path, [cal], plot=False)
+    assert sorted(p.name for p in paths.values()) == ["report.md", "sweep.csv", "sweep.json"]
+    report = paths["markdown"].read_text()
+    assert "**T=0 r=0.1 k=4**" in report and '"relax_top_k": 4' in report
+    assert "Pareto frontier (accuracy vs tokens/s): T=0 r=0.5 k=8, T=0 r=0.1 k=4, T=0 r=0.1 k=2." in report
+    with open(paths["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 5 and rows[2]["vs_strict_only_reference"] == "40"
+    data = json.loads(paths["json"].read_text())
+    assert data["calibrations"][0]["chosen"] == "T=0 r=0.1 k=4"
+    with pytest.raises(ImportError):
+        write_sweep_outputs(result, tmp_path / "with-plot", [cal], plot=True)

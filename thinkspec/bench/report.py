@@ -152,9 +152,9 @@ def markdown_report(result: SweepResult, calibrations: list[Calibration], plot_n
     lines = [
         "# Relaxed speculative decoding sweep",
         "",
-        f"Dataset `{cfg.get('dataset', '?')}`, {cfg['num_prompts']} prompts per cell, max_tokens "
-        f"{cfg['max_tokens']}, temperatures {', '.join(f'{t:g}' for t in cfg['temperatures'])}, "
-        f"sampling seed {cfg['seed']} (item i uses seed + i), device {cfg.get('device', '?')}.",
+        f"Dataset `{cfg.get('dataset', '?')}`, {cfg.get('num_prompts', '?')} prompts per cell, max_tokens "
+        f"{cfg.get('max_tokens', '?')}, temperatures {', '.join(f'{t:g}' for t in result.temperatures)}, "
+        f"sampling seed {cfg.get('seed', '?')} (item i uses seed + i), device {cfg.get('device', '?')}.",
         "",
         f"Speculative setup (strict): `{json.dumps(_short_paths(cfg['speculative_config']))}`",
         "",
