@@ -208,6 +208,8 @@ def test_bench_command_writes_json_and_table(ckpt, tmp_path, capsys):
     assert main([*argv, "--speculative-config", spec, "--output-json", str(out), "--no-progress"]) == 0
     table = capsys.readouterr().out
     assert "acc" in table and "AL" in table and "tok/s" in table
+    per_pos = [line for line in table.splitlines() if line.startswith("per-position acceptance: ")]
+    assert len(per_pos) == 1 and len(per_pos[0].split(": ")[1].split(", ")) == 2  # k = 2
     data = json.loads(out.read_text())
     summary = data["summary"]
     assert summary["num_prompts"] == 2 and summary["mode"] == "spec"

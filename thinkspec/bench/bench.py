@@ -210,6 +210,8 @@ def run_bench_command(args: Any) -> int:
     )
     row = cell.summary()
     print(format_table([row]))
+    if "acceptance_rate_per_pos" in row:
+        print("per-position acceptance: " + ", ".join(f"{x:.3f}" for x in row["acceptance_rate_per_pos"]))
     if args.output_json:
         write_json(
             {
