@@ -107,10 +107,9 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
     total_tokens = args.prompt_len + (args.rounds + args.warmup + 4) * (k + 1) + k
     num_blocks = batch * math.ceil(total_tokens / block)
     runners = [
-        ModelRunner(m, num_blocks=num_blocks, block_size=block, num_kv_heads=i.num_kv_heads,
-                    head_dim=i.head_dim, dtype=i.dtype, device=device)
+        ModelRunner.for_model(m, i, num_blocks=num_blocks, block_size=block, device=device)
         for m, i in ((target, tinfo), (draft, dinfo))
-    ]  # fmt: skip
+    ]
     bm = BlockManager(num_blocks, block, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(batch)
     seqs = []

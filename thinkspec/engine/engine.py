@@ -192,14 +192,8 @@ class LLMEngine:
                 config.max_model_len, self.kv_capacity_tokens,
             )  # fmt: skip
 
-        self.model_runner = ModelRunner(
-            self.model,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=info.num_kv_heads,
-            head_dim=info.head_dim,
-            dtype=info.dtype,
-            device=self.device,
+        self.model_runner = ModelRunner.for_model(
+            self.model, info, num_blocks=num_blocks, block_size=config.block_size, device=self.device
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -224,14 +218,11 @@ class LLMEngine:
         if spec is not None:
             draft_runner = None
             if self.draft_model is not None:
-                d = self.draft_info
-                draft_runner = ModelRunner(
+                draft_runner = ModelRunner.for_model(
                     self.draft_model,
+                    self.draft_info,
                     num_blocks=num_blocks,
                     block_size=config.block_size,
-                    num_kv_heads=d.num_kv_heads,
-                    head_dim=d.head_dim,
-                    dtype=d.dtype,
                     device=self.device,
                 )
             self.speculator = Speculator(

@@ -25,6 +25,7 @@ from torch import nn
 from thinkspec.engine.sequence import Sequence
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context
+from thinkspec.models.loader import ModelInfo
 from thinkspec.utils import logger
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
@@ -152,6 +153,21 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self._host = torch.empty(0, dtype=torch.int64)
         self._copy_done = torch.cuda.Event() if self._pin else None  # guards reuse of self._host
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, info: ModelInfo, *, num_blocks: int, block_size: int, device: torch.device
+    ) -> ModelRunner:
+        """A runner whose pool has the KV layout of a loaded model (heads, head_dim, dtype from info)."""
+        return cls(
+            model,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=info.dtype,
+            device=device,
+        )
 
     def prepare_inputs(
         self,
