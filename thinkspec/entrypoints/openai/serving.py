@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,7 +230,7 @@ class OpenAIServing:
             "usage": _usage(out),
         }
 
-    async def _chat_stream(
+    def _chat_stream(
         self,
         stream: RequestStream,
         created: int,
@@ -252,26 +252,53 @@ class OpenAIServing:
 
         text = _TextStream(params)
         split = self.reasoning.stream(starts_thinking) if self.reasoning is not None else None
+
+        def events(out: RequestOutput) -> list[str]:
+            piece = text.delta(out)
+            if split is None:
+                reasoning, content = None, piece or None
+            else:
+                reasoning, content = split.feed(piece)
+                if out.finished:
+                    tail_r, tail_c = split.finish()
+                    reasoning = (reasoning or "") + (tail_r or "") or None
+                    content = (content or "") + (tail_c or "") or None
+            deltas = (("reasoning_content", reasoning), ("content", content))
+            return [chunk({key: value}) for key, value in deltas if value is not None]
+
+        return self._sse_stream(
+            stream,
+            events,
+            lambda last: chunk({}, _finish_reason(last)),
+            base,
+            include_usage,
+            first=chunk({"role": "assistant", "content": ""}),
+        )
+
+    async def _sse_stream(
+        self,
+        stream: RequestStream,
+        events: Callable[[RequestOutput], list[str]],
+        final: Callable[[RequestOutput], str],
+        base: dict[str, Any],
+        include_usage: bool,
+        first: str | None = None,
+    ) -> AsyncIterator[str]:
+        """Server-sent events of one request: first, events per output, final, usage, [DONE].
+
+        An engine failure or request error becomes an error event; the request is released
+        (aborted if unfinished) whatever happens, including a client that goes away.
+        """
         last: RequestOutput | None = None
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            if first is not None:
+                yield first
             async for out in stream:
                 last = out
-                piece = text.delta(out)
-                if split is None:
-                    reasoning, content = None, piece or None
-                else:
-                    reasoning, content = split.feed(piece)
-                    if out.finished:
-                        tail_r, tail_c = split.finish()
-                        reasoning = (reasoning or "") + (tail_r or "") or None
-                        content = (content or "") + (tail_c or "") or None
-                if reasoning is not None:
-                    yield chunk({"reasoning_content": reasoning})
-                if content is not None:
-                    yield chunk({"content": content})
+                for event in events(out):
+                    yield event
             assert last is not None
-            yield chunk({}, _finish_reason(last))
+            yield final(last)
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(last)})
         except EngineDeadError as e:
@@ -323,7 +350,7 @@ class OpenAIServing:
             "usage": _usage(out),
         }
 
-    async def _completion_stream(
+    def _completion_stream(
         self, stream: RequestStream, created: int, params: SamplingParams, include_usage: bool
     ) -> AsyncIterator[str]:
         model = self.config.served_model_name
@@ -334,20 +361,11 @@ class OpenAIServing:
             return _sse({**base, "choices": [choice]})
 
         text = _TextStream(params)
-        last: RequestOutput | None = None
-        try:
-            async for out in stream:
-                last = out
-                if piece := text.delta(out):
-                    yield chunk(piece)
-            assert last is not None
-            yield chunk("", _finish_reason(last))
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(last)})
-        except EngineDeadError as e:
-            yield _sse(OpenAIError(str(e), status=500, code="engine_dead").to_dict())
-        except OpenAIError as e:
-            yield _sse(e.to_dict())
-        finally:
-            self._done(stream, last)
-        yield SSE_DONE
+
+        def events(out: RequestOutput) -> list[str]:
+            piece = text.delta(out)
+            return [chunk(piece)] if piece else []
+
+        return self._sse_stream(
+            stream, events, lambda last: chunk("", _finish_reason(last)), base, include_usage
+        )
