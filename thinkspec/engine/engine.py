@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,12 @@ import torch
 
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.model_runner import ModelRunner, determine_kv_cache_memory, kv_cache_bytes_per_block
+from thinkspec.engine.model_runner import (
+    ModelRunner,
+    attention_layers,
+    determine_kv_cache_memory,
+    kv_cache_bytes_per_block,
+)
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.models.loader import LOAD_FORMATS
@@ -29,6 +35,9 @@ PromptType = str | list[int] | Mapping[str, Any]
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass(slots=True)
@@ -58,6 +67,7 @@ class EngineConfig:
     speculative_config: Any = None  # SpeculativeConfig | dict | JSON str | None
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed benchmarks)
     skip_tokenizer_init: bool = False  # token ids in and out only (no text, chat or reasoning split)
+    attention_backend: str = "torch"  # "torch" (reference) | "triton" (CUDA, or TRITON_INTERPRET=1)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -97,6 +107,19 @@ class EngineConfig:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if (
+            self.attention_backend == "triton"
+            and resolve_device(self.device).type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1), "
+                f"got device={self.device!r}"
+            )
 
 
 def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
@@ -235,6 +258,13 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 seed=config.seed,
             )
+        if config.attention_backend == "triton":  # after the pools exist: the profiling run used torch
+            from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+            backend = TritonAttentionBackend()
+            for model in (self.model, self.draft_model):
+                for layer in attention_layers(model) if model is not None else []:
+                    layer.backend = backend
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         logger.info(

@@ -1,0 +1,271 @@
+"""Triton paged-attention backend against the dense float64 reference and the torch backends.
+
+On CPU the kernels run under the Triton interpreter. Triton reads TRITON_INTERPRET when a kernel is
+decorated, so the interpreter cases run in a child pytest process that sets it
+(`test_kernels_under_interpreter`); run them directly with
+`TRITON_INTERPRET=1 pytest tests/test_attention_triton.py -k test_interp_`. GPU cases are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not importable")
+
+from checkpoints import tiny_checkpoint  # noqa: E402
+from test_attention import CASES, dense_reference, make_case  # noqa: E402
+
+from thinkspec import LLM, SamplingParams  # noqa: E402
+from thinkspec.engine.engine import EngineConfig  # noqa: E402
+from thinkspec.layers.attention import Attention  # noqa: E402
+from thinkspec.layers.attention_torch import PaddedTorchAttentionBackend, TorchAttentionBackend  # noqa: E402
+from thinkspec.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from thinkspec.layers.forward_context import AttentionMetadata, forward_context  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+interp = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of test_kernels_under_interpreter"
+)
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreter run")
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+         __file__, "-k", "test_interp_"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+
+
+def _check_case(spec, out, q, full, scale, k_cache, v_cache, tol):
+    """Each sequence's rows match the float64 reference; padding rows are zero; only new tokens written."""
+    assert out.shape == q.shape and out.dtype == q.dtype
+    start = 0
+    for (_, qlen), (keys, values) in zip(spec, full):
+        ref = dense_reference(q[start : start + qlen].float(), keys, values, scale)
+        torch.testing.assert_close(out[start : start + qlen].double(), ref, rtol=tol, atol=tol)
+        start += qlen
+    assert torch.equal(out[start:], torch.zeros_like(out[start:]))
+    total_written = sum(c + ql for c, ql in spec)
+    assert int((~torch.isnan(k_cache.float()).flatten(2).any(-1)).sum()) == total_written
+    assert int((~torch.isnan(v_cache.float()).flatten(2).any(-1)).sum()) == total_written
+
+
+# ---------------------------------------------------------------- host-side checks (no kernel launch)
+
+
+def test_constructor_rejects_bad_settings():
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        TritonAttentionBackend(block_n=24)
+    with pytest.raises(ValueError, match="num_splits must be None or a power of two >= 1, got 3"):
+        TritonAttentionBackend(num_splits=3)
+    with pytest.raises(ValueError, match="max_splits must be a power of two >= 1, got 0"):
+        TritonAttentionBackend(max_splits=0)
+    with pytest.raises(ValueError, match="min_split_len must be an integer >= 1, got 0"):
+        TritonAttentionBackend(min_split_len=0)
+
+
+def test_choose_splits_from_host_shape_only():
+    cpu = torch.device("cpu")
+    be = TritonAttentionBackend(target_programs=256, min_split_len=512, max_splits=32)
+    assert be.choose_splits(programs=8, max_seq_len=8192, device=cpu) == 16  # few programs, long context
+    assert be.choose_splits(programs=8, max_seq_len=2000, device=cpu) == 2  # capped by context length
+    assert be.choose_splits(programs=8, max_seq_len=100, device=cpu) == 1  # short context: no split
+    assert be.choose_splits(programs=512, max_seq_len=8192, device=cpu) == 1  # grid already full
+    assert be.choose_splits(programs=1, max_seq_len=10**6, device=cpu) == 32  # max_splits
+    assert be.choose_splits(programs=3, max_seq_len=10**6, device=cpu) == 32  # capped by max_splits
+    assert TritonAttentionBackend(num_splits=4).choose_splits(10**4, 1, cpu) == 4  # forced
+
+
+def test_engine_config_attention_backend_validation():
+    msg = r"attention_backend must be one of \('torch', 'triton'\), got 'flash'"
+    with pytest.raises(ValueError, match=msg):
+        EngineConfig(model="m", attention_backend="flash")
+    if not INTERPRETED:
+        with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
+            EngineConfig(model="m", device="cpu", attention_backend="triton")
+    assert EngineConfig(model="m").attention_backend == "torch"
+
+
+# ---------------------------------------------------------------- interpreter (CPU) cases
+
+
+@interp
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize(("block_size", "hq", "hkv"), [(16, 4, 4), (32, 4, 2), (16, 8, 2), (3, 4, 1)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_interp_matches_dense_reference(case, block_size, hq, hkv, splits):
+    spec = CASES[case]
+    d, scale = 8, 8**-0.5
+    q, k, v, k_cache, v_cache, meta, full = make_case(
+        spec, hq, hkv, d, block_size, 64, seed=10 + list(CASES).index(case), pad=3
+    )
+    backend = TritonAttentionBackend(block_n=16, num_splits=splits)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    _check_case(spec, out, q, full, scale, k_cache, v_cache, 1e-5)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_interp_half_precision(dtype):
+    spec = [(40, 1), (0, 23), (17, 5)]
+    d, scale = 32, 32**-0.5
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, 8, 2, d, 16, 16, seed=3, pad=1)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    full = [(kk.to(dtype), vv.to(dtype)) for kk, vv in full]  # the reference sees the rounded K/V
+    out = TritonAttentionBackend(block_n=32, num_splits=2).forward(q, k, v, k_cache, v_cache, meta, scale)
+    _check_case(spec, out, q, full, scale, k_cache, v_cache, 2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+@interp
+def test_interp_auto_split_long_context_matches_padded_torch():
+    # few sequences, long contexts: the shape-chosen split is used and agrees with the torch backend
+    spec = [(300, 1), (150, 4), (0, 1)]
+    hq, hkv, d, bs = 4, 2, 16, 16
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, hq, hkv, d, bs, 40, seed=21, pad=2)
+    be = TritonAttentionBackend(block_n=32, target_programs=64, min_split_len=32)
+    assert be.choose_splits(3 * 1 * hkv, meta.max_seq_len, q.device) == 8
+    out = be.forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
+    _check_case(spec, out, q, full, d**-0.5, k_cache, v_cache, 1e-5)
+    ref = PaddedTorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@interp
+def test_interp_no_tokens_and_no_pool():
+    be = TritonAttentionBackend()
+    empty = torch.zeros(0, 2, 8)
+    meta = AttentionMetadata(
+        query_start_loc=torch.zeros(1, dtype=torch.int32), seq_lens=torch.zeros(0, dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        max_query_len=0, max_seq_len=0,
+    )  # fmt: skip
+    cache = torch.full((4, 16, 2, 8), float("nan"))
+    assert be.forward(empty, empty, empty, cache, cache.clone(), meta, 0.3).shape == (0, 2, 8)
+    assert torch.isnan(cache).all()
+    # before the pool exists (profiling run) whole prompts attend to themselves via the reference
+    spec = [(0, 6), (0, 2)]
+    q, k, v, _, _, meta, full = make_case(spec, 4, 2, 8, 4, 16, seed=5)
+    out = be.forward(q, k, v, torch.empty(0), torch.empty(0), meta, 0.3)
+    ref = TorchAttentionBackend().forward(q, k, v, torch.empty(0), torch.empty(0), meta, 0.3)
+    torch.testing.assert_close(out, ref)
+
+
+@interp
+def test_interp_attention_module_and_shape_errors():
+    spec = CASES["mixed"]
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, 4, 2, 8, 16, 64, seed=8, pad=1)
+    layer = Attention(4, 2, 8, 0.4)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    layer.backend = TritonAttentionBackend()
+    with forward_context(meta):
+        out = layer(q, k, v)
+    _check_case(spec, out, q, full, 0.4, k_cache, v_cache, 1e-5)
+    with pytest.raises(ValueError, match="does not match 2 kv heads x 8"):
+        TritonAttentionBackend().forward(q, k, v, k_cache[..., :4], v_cache[..., :4], meta, 0.4)
+
+
+@interp
+@pytest.mark.parametrize("speculative", [False, True])
+def test_interp_llm_greedy_tokens_match_torch_backend(speculative):
+    path = str(tiny_checkpoint("qwen3", tied=False))
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": list(range(10, 50))}]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    spec = {"model": path, "num_speculative_tokens": 3} if speculative else None
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            path, device="cpu", block_size=16, max_num_batched_tokens=32, skip_tokenizer_init=True,
+            speculative_config=spec, attention_backend=backend,
+        )  # fmt: skip
+        layers = [m for m in llm.llm_engine.model.modules() if isinstance(m, Attention)]
+        assert all(isinstance(m.backend, TritonAttentionBackend) == (backend == "triton") for m in layers)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"] and all(len(t) == 8 for t in tokens["torch"])
+
+
+# ---------------------------------------------------------------- GPU cases (real sizes)
+
+
+def _gpu_case(batch, ctx_lens, qlen, seed, block_size=16, hq=32, hkv=8, d=128, dtype=torch.bfloat16):
+    """Random ragged bf16 batch on CUDA with a permuted pool; returns q, k, v, caches, meta."""
+    g = torch.Generator().manual_seed(seed)
+    total = [c + qlen for c in ctx_lens]
+    need = [-(-t // block_size) for t in total]
+    num_blocks = sum(need) + 8
+    perm = torch.randperm(num_blocks, generator=g)
+    tables, slots, at = [], [], 0
+    for b in range(batch):
+        blocks = perm[at : at + need[b]]
+        at += need[b]
+        tables.append(blocks.tolist() + [-1] * (max(need) - need[b]))
+        pos = torch.arange(ctx_lens[b], total[b])
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    dev = "cuda"
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dev, dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dev, dtype)
+    t = batch * qlen
+    q = torch.randn(t, hq, d, generator=g).to(dev, dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dev, dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dev, dtype)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(0, t + 1, qlen, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(total, dtype=torch.int32, device=dev),
+        slot_mapping=torch.cat(slots).to(dev),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+        max_query_len=qlen,
+        max_seq_len=max(total),
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("batch", "max_ctx", "qlen"),
+    [(1, 8192, 1), (4, 8192, 5), (16, 4096, 1), (64, 2048, 5), (64, 1024, 1), (2, 6000, 512), (8, 300, 17)],
+)
+def test_gpu_matches_torch_backend(batch, max_ctx, qlen):
+    g = torch.Generator().manual_seed(batch * 7 + qlen)
+    ctx = torch.randint(0, max_ctx, (batch,), generator=g).tolist()
+    ctx[0] = max_ctx - qlen  # one sequence at the longest context
+    q, k, v, k_cache, v_cache, meta = _gpu_case(batch, ctx, qlen, seed=batch + qlen)
+    ref_cache = (k_cache.clone(), v_cache.clone())
+    ref_be = PaddedTorchAttentionBackend() if qlen <= 16 else TorchAttentionBackend()
+    ref = ref_be.forward(q.float(), k.float(), v.float(), *(c.float() for c in ref_cache), meta, 128**-0.5)
+    for splits in (None, 1, 8):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = TritonAttentionBackend(num_splits=splits).forward(q, k, v, kc, vc, meta, 128**-0.5)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=kc.device)
+        written[meta.slot_mapping] = True
+        for new, before, after in ((k, k_cache, kc), (v, v_cache, vc)):
+            assert torch.equal(after.view(-1, 8, 128)[meta.slot_mapping], new)  # new tokens written
+            assert torch.equal(after.view(-1, 8, 128)[~written], before.view(-1, 8, 128)[~written])
+
+
+@gpu
+@pytest.mark.parametrize("speculative", [False, True])
+def test_gpu_llm_greedy_tokens_match_torch_backend(speculative):
+    path = str(tiny_checkpoint("qwen3", tied=False))
+    prompts = [{"prompt_token_ids": list(range(1, 1 + n))} for n in (5, 40, 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    spec = {"model": path, "num_speculative_tokens": 3} if speculative else None
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True, speculative_config=spec,
+                  attention_backend=backend, kv_cache_memory=64 << 20)  # fmt: skip
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]

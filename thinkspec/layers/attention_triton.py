@@ -1,0 +1,338 @@
+"""Triton paged-attention backend: one kernel family for prefill chunks, decode and (k+1)-token verify.
+
+Same contract as the torch reference (attention_torch.py). Launches, all with grids fixed by host
+ints (T, B, meta.max_query_len, meta.max_seq_len, head counts), so a step can be CUDA-graph captured:
+  1. _store_kv_kernel     grid (T,)                      writes each new token's k/v at its slot (-1 skipped).
+  2. _paged_attn_kernel   grid (B, Q tiles, Hkv*S)       one program = BLOCK_Q queries of one sequence x all
+                          query heads of one KV head (GQA: each K/V tile is loaded once per group), over
+                          split s of the sequence's causal KV range, read through the block table one
+                          token at a time (any block_size). Online softmax in fp32 with exp2.
+  3. _combine_kernel      grid (T, Hq)                   only when S > 1 (split-KV): merges the S partial
+                          (max, sum, acc) of each row.
+Sequences are located from query_start_loc / seq_lens inside the kernels; no device value is read on
+the host. Rows past query_start_loc[-1] (padding) come out zero.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from thinkspec.layers.attention_torch import TorchAttentionBackend
+from thinkspec.layers.forward_context import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(x - m) stays NaN-free
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,  # [T, Hkv, D], last dim contiguous
+    v_ptr,  # [T, Hkv, D], last dim contiguous
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D], last dim contiguous
+    v_cache_ptr,  # same layout and strides as k_cache
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    slot_ptr,  # [T] int64, -1 = padding
+    block_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
+    kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, kv.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache_ptr + dst, vv.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [T, Hq, D], last dim contiguous
+    stride_qt,
+    stride_qh,
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D], last dim contiguous
+    v_cache_ptr,  # same layout and strides as k_cache
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    block_tables_ptr,  # [B, max_blocks] int32
+    stride_bt,
+    query_start_ptr,  # [B+1] int32
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # S == 1: [T, Hq, D] q dtype (final); S > 1: [T, Hq, S, D] float32 partial acc
+    stride_ot,
+    stride_oh,
+    stride_os,
+    ml_ptr,  # S > 1: [T, Hq, S, 2] float32 partial (max, sum) in log2 units; unused when S == 1
+    qk_scale,  # softmax scale * log2(e)
+    block_size,
+    num_heads,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,  # keys per tile
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # fp32 operands, exact products (fp32 inputs; bf16 under the interpreter)
+):
+    b = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    h_kv = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len  # position of this step's first query
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    r = tl.arange(0, BLOCK_M)
+    qi = q_tile * BLOCK_Q + r // GROUP_PAD  # query index within the sequence
+    g = r % GROUP_PAD
+    row_ok = (qi < q_len) & (g < GROUP)
+    head = h_kv * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    tok = (q_start + qi).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    q_pos = ctx_len + qi  # [BLOCK_M] absolute position of each row's query
+
+    # Causal KV range of this query tile, cut into NUM_SPLITS chunks of whole BLOCK_N tiles.
+    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + n_off  # [BLOCK_N]
+        pos_ok = pos < hi
+        blk = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_cb + (pos % block_size) * stride_cs + h_kv * stride_ch  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k).to(q.dtype))
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N] float32, log2 units
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v.to(q.dtype)  # slots past the range load as 0 (`other`), so NaN there never reaches p @ v
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        base = tok * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
+        tl.store(out_ptr + base[:, None] + d[None, :], acc, mask=out_mask)
+        ml_base = ((tok * num_heads + head) * NUM_SPLITS + split) * 2
+        tl.store(ml_ptr + ml_base, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml_base + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr,  # [T, Hq, S, D] float32
+    ml_ptr,  # [T, Hq, S, 2] float32 (max, sum) in log2 units
+    out_ptr,  # [T, Hq, D] q dtype, zero-initialised
+    stride_ot,
+    stride_oh,
+    query_start_ptr,  # [B+1] int32
+    num_seqs,
+    num_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(query_start_ptr + num_seqs):
+        return  # padding row: stays zero
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = t.to(tl.int64) * num_heads + h
+    m = tl.load(ml_ptr + (row * NUM_SPLITS + s) * 2)  # [S]
+    l_s = tl.load(ml_ptr + (row * NUM_SPLITS + s) * 2 + 1)
+    acc_off = (row * NUM_SPLITS + s)[:, None] * head_dim + d[None, :]
+    acc = tl.load(acc_ptr + acc_off, mask=(d < head_dim)[None, :], other=0.0)  # [S, BLOCK_D]
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits: m = -1e30 -> weight 0
+    den = tl.sum(w * l_s, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(
+        out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < head_dim,
+    )
+
+
+def _interpreting() -> bool:
+    # The interpreter's tl.dot gives wrong results on bfloat16 operands; it takes the fp32 path there.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonAttentionBackend:
+    """Paged attention in Triton kernels; the AttentionBackend protocol of attention.py.
+
+    block_n: keys per tile (a power of two >= 16). num_splits: split-KV factor (a power of two), or
+    None to choose it from the launch shape: split only when (sequences x query tiles x KV heads)
+    leaves the GPU under-filled and contexts are long enough that each split gets >= min_split_len keys.
+    """
+
+    def __init__(
+        self,
+        block_n: int = 64,
+        num_splits: int | None = None,
+        max_splits: int = 32,
+        min_split_len: int = 512,
+        target_programs: int | None = None,
+    ) -> None:
+        if not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+        if num_splits is not None and (
+            not isinstance(num_splits, int) or num_splits < 1 or num_splits & (num_splits - 1)
+        ):
+            raise ValueError(f"num_splits must be None or a power of two >= 1, got {num_splits!r}")
+        if not isinstance(max_splits, int) or max_splits < 1 or max_splits & (max_splits - 1):
+            raise ValueError(f"max_splits must be a power of two >= 1, got {max_splits!r}")
+        if not isinstance(min_split_len, int) or min_split_len < 1:
+            raise ValueError(f"min_split_len must be an integer >= 1, got {min_split_len!r}")
+        self.block_n = block_n
+        self.num_splits = num_splits
+        self.max_splits = max_splits
+        self.min_split_len = min_split_len
+        self.target_programs = target_programs
+        self.fallback = TorchAttentionBackend()
+
+    def _target_programs(self, device: torch.device) -> int:
+        if self.target_programs is not None:
+            return self.target_programs
+        if device.type == "cuda":
+            return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 16
+
+    def choose_splits(self, programs: int, max_seq_len: int, device: torch.device) -> int:
+        """Split-KV factor from host ints only (launch programs without splitting, longest context)."""
+        if self.num_splits is not None:
+            return self.num_splits
+        want = self._target_programs(device) // max(1, programs)
+        by_len = max_seq_len // self.min_split_len
+        n = min(want, by_len, self.max_splits)
+        return 1 if n < 2 else 1 << (n.bit_length() - 1)  # round down to a power of two
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D] q dtype; padding rows are zero
+        if k_cache.numel() == 0:  # no pool yet (profiling run): whole prompts only, reference path
+            return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
+        if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"kv cache shape {tuple(k_cache.shape)} does not match {num_kv_heads} kv heads x {head_dim}"
+            )
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError("k_cache and v_cache must share strides with a contiguous last dim")
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        block_size = k_cache.shape[1]
+        block_d = max(16, _pow2(head_dim))
+        out = torch.zeros_like(q)
+        if num_tokens == 0:
+            return out
+
+        _store_kv_kernel[(num_tokens,)](
+            k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.slot_mapping, block_size, num_kv_heads, head_dim,
+            BLOCK_H=_pow2(num_kv_heads), BLOCK_D=block_d,
+        )  # fmt: skip
+
+        num_seqs = meta.num_seqs
+        max_q = max(1, meta.max_query_len)
+        group = num_heads // num_kv_heads
+        group_pad = _pow2(group)
+        # Rows per program: >= 16 for tl.dot, up to 64 for long queries (prefill).
+        block_m = max(16, group_pad, min(64, _pow2(max_q * group_pad)))
+        block_q = block_m // group_pad
+        q_tiles = math.ceil(max_q / block_q)
+        splits = self.choose_splits(num_seqs * q_tiles * num_kv_heads, meta.max_seq_len, q.device)
+        if splits == 1:
+            dst, ml = out, out
+            strides = (out.stride(0), out.stride(1), 0)
+        else:
+            dst = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+            strides = (dst.stride(0), dst.stride(1), dst.stride(2))
+        fp32_dot = q.dtype == torch.float32 or (_interpreting() and q.dtype == torch.bfloat16)
+        _paged_attn_kernel[(num_seqs, q_tiles, num_kv_heads * splits)](
+            q, q.stride(0), q.stride(1),
+            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables, meta.block_tables.stride(0), meta.query_start_loc, meta.seq_lens,
+            dst, *strides, ml, scale * _LOG2E, block_size, num_heads, head_dim,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n, BLOCK_D=block_d,
+            NUM_SPLITS=splits, FP32_DOT=fp32_dot,
+        )  # fmt: skip
+        if splits > 1:
+            _combine_kernel[(num_tokens, num_heads)](
+                dst, ml, out, out.stride(0), out.stride(1), meta.query_start_loc, num_seqs, num_heads,
+                head_dim, NUM_SPLITS=splits, BLOCK_D=block_d,
+            )  # fmt: skip
+        return out
