@@ -74,6 +74,8 @@ def test_constructor_rejects_bad_settings():
         TritonAttentionBackend(max_splits=0)
     with pytest.raises(ValueError, match="min_split_len must be an integer >= 1, got 0"):
         TritonAttentionBackend(min_split_len=0)
+    with pytest.raises(ValueError, match="target_programs must be None or an integer >= 1, got 0"):
+        TritonAttentionBackend(target_programs=0)
 
 
 def test_choose_splits_from_host_shape_only():

@@ -85,9 +85,9 @@ def _paged_attn_kernel(
     stride_os,
     ml_ptr,  # S > 1: [T, Hq, S, 2] float32 partial (max, sum) in log2 units; unused when S == 1
     qk_scale,  # softmax scale * log2(e)
-    block_size,
     num_heads,
     head_dim,
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size (fixed per engine: one compile, shifts on powers of 2)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
@@ -139,8 +139,8 @@ def _paged_attn_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + n_off  # [BLOCK_N]
         pos_ok = pos < hi
-        blk = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_cb + (pos % block_size) * stride_cs + h_kv * stride_ch  # [BLOCK_N]
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + h_kv * stride_ch  # [BLOCK_N]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -226,6 +226,8 @@ class TritonAttentionBackend:
     block_n: keys per tile (a power of two >= 16). num_splits: split-KV factor (a power of two), or
     None to choose it from the launch shape: split only when (sequences x query tiles x KV heads)
     leaves the GPU under-filled and contexts are long enough that each split gets >= min_split_len keys.
+    The chosen split follows meta.max_seq_len; set num_splits to keep one launch shape for a captured
+    CUDA graph. target_programs (default 2 x SM count) is the grid size splitting aims for.
     """
 
     def __init__(
@@ -246,6 +248,8 @@ class TritonAttentionBackend:
             raise ValueError(f"max_splits must be a power of two >= 1, got {max_splits!r}")
         if not isinstance(min_split_len, int) or min_split_len < 1:
             raise ValueError(f"min_split_len must be an integer >= 1, got {min_split_len!r}")
+        if target_programs is not None and (not isinstance(target_programs, int) or target_programs < 1):
+            raise ValueError(f"target_programs must be None or an integer >= 1, got {target_programs!r}")
         self.block_n = block_n
         self.num_splits = num_splits
         self.max_splits = max_splits
@@ -326,9 +330,9 @@ class TritonAttentionBackend:
             q, q.stride(0), q.stride(1),
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables, meta.block_tables.stride(0), meta.query_start_loc, meta.seq_lens,
-            dst, *strides, ml, scale * _LOG2E, block_size, num_heads, head_dim,
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, FP32_DOT=fp32_dot,
+            dst, *strides, ml, scale * _LOG2E, num_heads, head_dim,
+            BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot,
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(num_tokens, num_heads)](
