@@ -8,10 +8,6 @@ decorated, so the interpreter cases run in a child pytest process that sets it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,6 +15,7 @@ pytest.importorskip("triton", reason="triton is not importable")
 
 from checkpoints import tiny_checkpoint  # noqa: E402
 from test_attention import CASES, dense_reference, make_case  # noqa: E402
+from triton_interpreter import INTERPRETED, interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec import LLM, SamplingParams  # noqa: E402
 from thinkspec.engine.engine import EngineConfig  # noqa: E402
@@ -27,25 +24,12 @@ from thinkspec.layers.attention_torch import PaddedTorchAttentionBackend, TorchA
 from thinkspec.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-interp = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of test_kernels_under_interpreter"
-)
 gpu = pytest.mark.gpu
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreter run")
+@parent_only
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-         __file__, "-k", "test_interp_"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+    run_interpreter_cases(__file__)
 
 
 def _check_case(spec, out, q, full, scale, k_cache, v_cache, tol):

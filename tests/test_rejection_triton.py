@@ -9,9 +9,6 @@ decorated, so the interpreter cases run in a child pytest process that sets it
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,30 +16,18 @@ import torch
 pytest.importorskip("triton", reason="triton is not importable")
 
 from scipy.stats import chisquare  # noqa: E402
+from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec.sampling import rejection_triton as rt  # noqa: E402
 from thinkspec.sampling.rejection import rejection_sample, rejection_sample_reference  # noqa: E402
 
 NAN = float("nan")
 NEG_INF = float("-inf")
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-interp = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of test_kernels_under_interpreter"
-)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreter run")
+@parent_only
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-         __file__, "-k", "test_interp_"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+    run_interpreter_cases(__file__)
 
 
 # ---------------------------------------------------------------- shared input builders
