@@ -6,7 +6,10 @@
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
-#   drafts      train toy draft variants against the bundled target (DRAFTS="name:steps ...")
+#   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
+#   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
+#   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
+#               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -44,21 +47,43 @@ if has throughput; then
   note "throughput: exit ${PIPESTATUS[0]}"
 fi
 
+if has tune; then
+  timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" 2>&1 \
+    | tee "$OUT/tune.log" | tail -n 12
+  note "tune: exit ${PIPESTATUS[0]}"
+fi
+
+if has profile; then
+  timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/profile_toy.py --device cuda --num-problems 256 \
+    ${PROFILE_ARGS:-} >"$OUT/profile.log" 2>&1
+  note "profile: exit $? ($(head -1 "$OUT/profile.log"))"
+fi
+
 if has drafts; then
   work=/tmp/toy-drafts
   mkdir -p "$work"
   names=()
   for spec in ${DRAFTS:-"d3-250:250"}; do
-    IFS=: read -r name steps <<<"$spec"
+    IFS=: read -r name steps bias <<<"$spec"
     timeout 120 $PY -m thinkspec.toy.train --role draft --tokenizer thinkspec/assets/toy-reasoner/target \
       --out "$work/$name" --num-layers 3 --hidden-size 160 --num-heads 5 --head-dim 32 \
       --intermediate-size 480 --steps "$steps" --batch-size 128 --seq-len 640 --samples 100000 --lr 2e-3 \
-      --warmup-steps 50 --log-every 100 --seed 1 >>"$OUT/drafts.log" 2>&1 && names+=("$name")
+      --warmup-steps 50 --log-every 100 --seed 1 --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1 \
+      && names+=("$name")
     # Later stages see the new drafts next to the bundled ones.
     [ -d "$work/$name" ] && cp -r "$work/$name" "thinkspec/assets/toy-reasoner/$name"
   done
   [ ${#names[@]} -gt 0 ] && tar -C "$work" -cf "$OUT/drafts.tar" "${names[@]}"
   note "drafts: trained ${names[*]:-none}"
+  if [ ${#names[@]} -gt 0 ]; then
+    args=()
+    for name in draft "${names[@]}"; do args+=(--draft "thinkspec/assets/toy-reasoner/$name"); done
+    timeout "${ANALYZE_TIMEOUT:-300}" $PY -m thinkspec.toy.analyze --target thinkspec/assets/toy-reasoner/target \
+      "${args[@]}" --n "${ANALYZE_N:-300}" --relax 0.1,8 --relax 0.3,3 --json "$OUT/analyze.json" \
+      >>"$OUT/drafts.log" 2>&1
+    note "analyze: exit $?"
+    tail -n $(( ${#names[@]} + 3 )) "$OUT/drafts.log" | tee -a "$summary"
+  fi
 fi
 
 if has toy; then

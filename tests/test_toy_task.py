@@ -76,8 +76,20 @@ def test_chat_format_is_qwen3():
 _EQ = re.compile(r"(?<!\d)(?<![\d+x/-] )(\d+(?: [-+x/] \d+)+) = (\d+)")
 
 
-_WORDS = {"minus": "-", "less": "-", "take away": "-", "plus": "+", "and": "+", "added to": "+",
-          "times": "x", "multiplied by": "x", "\\*": "x", "gives": "=", "makes": "=", "is": "="}
+_WORDS = {
+    "minus": "-",
+    "less": "-",
+    "take away": "-",
+    "plus": "+",
+    "and": "+",
+    "added to": "+",
+    "times": "x",
+    "multiplied by": "x",
+    "\\*": "x",
+    "gives": "=",
+    "makes": "=",
+    "is": "=",
+}
 
 
 def _symbols(text: str) -> str:
@@ -113,9 +125,11 @@ def test_column_steps_follow_the_digits():
         if op != "+":
             continue
         a = p.start
-        cols = re.findall(r"(?:Ones|Tens|Hundreds|Thousands|ones|tens|hundreds|thousands)(?: column)?[:,] "
-                          r"(\d) (?:\+|plus|and|added to) (\d)(?: \+ 1)? (?:=|gives|makes|is) (\d+)",
-                          s.thinking)
+        cols = re.findall(
+            r"(?:Ones|Tens|Hundreds|Thousands|ones|tens|hundreds|thousands)(?: column)?[:,] "
+            r"(\d) (?:\+|plus|and|added to) (\d)(?: \+ 1)? (?:=|gives|makes|is) (\d+)",
+            s.thinking,
+        )
         da, db = str(a)[::-1], str(b)[::-1]
         for j, (x, y, _) in enumerate(cols):
             assert int(x) == (int(da[j]) if j < len(da) else 0)
@@ -140,8 +154,8 @@ def test_forks_never_start_on_a_digit():
         assert s.forks
         for off, m in s.forks:
             assert m >= 2
-            nxt = comp[off:off + 2].lstrip()
-            assert not nxt[:1].isdigit(), comp[off - 20:off + 20]
+            nxt = comp[off : off + 2].lstrip()
+            assert not nxt[:1].isdigit(), comp[off - 20 : off + 20]
 
 
 def test_grader():
@@ -165,3 +179,25 @@ def test_bad_arguments_raise():
         apply_op(1, "/", 2)
     with pytest.raises(ValueError, match="n must be"):
         generate_samples(-1, seed=0)
+
+
+def test_fork_bias_moves_choices_to_the_first_phrasing():
+    p = generate_problem(random.Random(3), 4, 4)
+    # Bias 1: every fork takes its first option, so the wording no longer depends on the RNG.
+    canonical = {render_sample(p, random.Random(i), fork_bias=1.0).thinking for i in range(20)}
+    assert len(canonical) == 1
+    # Bias 0 is the default stream exactly (no extra draws).
+    for i in range(5):
+        biased = render_sample(p, random.Random(i), fork_bias=0.0)
+        assert biased.thinking == render_sample(p, random.Random(i)).thinking
+    # Bias b: the first option's share at 4-way forks is about b + (1 - b) / 4; numbers are untouched.
+    first = total = 0
+    for s in generate_samples(300, seed=9, fork_bias=0.5):
+        assert extract_answer(s.completion) == s.problem.answer
+        pos, n = s.forks[0]  # the opening word: Okay / Alright / So / Hmm
+        assert n == 4
+        first += s.completion.startswith("Okay", pos)
+        total += 1
+    assert total == 300 and abs(first / total - (0.5 + 0.5 / 4)) < 0.07
+    with pytest.raises(ValueError, match="fork_bias"):
+        render_sample(p, random.Random(0), fork_bias=1.5)

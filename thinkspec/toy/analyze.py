@@ -86,9 +86,16 @@ def _phase_after(phase: torch.Tensor, tokens: torch.Tensor, ids: TokenIds) -> to
 
 
 @torch.no_grad()
-def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[list[int]],
-                         ids: TokenIds, k: int = 4, relax: Relax | None = None, max_new_tokens: int = 512,
-                         batch_size: int = 512) -> tuple[list[list[int]], SpecStats, list[float]]:
+def speculative_generate(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    prompts: list[list[int]],
+    ids: TokenIds,
+    k: int = 4,
+    relax: Relax | None = None,
+    max_new_tokens: int = 512,
+    batch_size: int = 512,
+) -> tuple[list[list[int]], SpecStats, list[float]]:
     """Greedy speculative decoding simulated with full forwards.
 
     draft=None (or k=0) is plain greedy decoding. Returns the generated ids per prompt (up to and
@@ -101,20 +108,30 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module | None,
     outs: list[list[int]] = []
     pmax_thinking: list[float] = []
     for s in range(0, len(prompts), batch_size):
-        o = _spec_batch(target, draft, prompts[s:s + batch_size], ids, k, relax, max_new_tokens, stats,
-                        pmax_thinking)
+        o = _spec_batch(
+            target, draft, prompts[s : s + batch_size], ids, k, relax, max_new_tokens, stats, pmax_thinking
+        )
         outs.extend(o)
     return outs, stats, pmax_thinking
 
 
-def _spec_batch(target, draft, prompts, ids: TokenIds, k, relax, max_new_tokens, stats: SpecStats,
-                pmax_thinking: list[float]) -> list[list[int]]:
+def _spec_batch(
+    target,
+    draft,
+    prompts,
+    ids: TokenIds,
+    k,
+    relax,
+    max_new_tokens,
+    stats: SpecStats,
+    pmax_thinking: list[float],
+) -> list[list[int]]:
     dev = next(target.parameters()).device
     b = len(prompts)
     plen = torch.tensor([len(p) for p in prompts], device=dev)
     buf = torch.full((b, int(plen.max()) + max_new_tokens + k + 1), ids.eos[-1], dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
-        buf[i, :len(p)] = torch.tensor(p, device=dev)
+        buf[i, : len(p)] = torch.tensor(p, device=dev)
     lens = plen.clone()
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     # Initial phase: the last think marker in the prompt decides.
@@ -192,26 +209,32 @@ def _spec_batch(target, draft, prompts, ids: TokenIds, k, relax, max_new_tokens,
         lens[act] += nf
         phase[act] = torch.tensor(new_phase, device=dev)
         done[act] = torch.tensor(new_done, device=dev)
-    return [buf[i, int(plen[i]):int(lens[i])].tolist() for i in range(b)]
+    return [buf[i, int(plen[i]) : int(lens[i])].tolist() for i in range(b)]
 
 
 @torch.no_grad()
-def teacher_forced_acceptance(draft: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]],
-                              ids: TokenIds, k: int = 4, batch_size: int = 256) -> SpecStats:
+def teacher_forced_acceptance(
+    draft: torch.nn.Module,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    ids: TokenIds,
+    k: int = 4,
+    batch_size: int = 256,
+) -> SpecStats:
     """Strict greedy acceptance of `draft` along the target's greedy outputs (exact for greedy)."""
     dev = next(draft.parameters()).device
     stats = SpecStats()
     for s in range(0, len(prompts), batch_size):
-        seqs = [p + o for p, o in zip(prompts[s:s + batch_size], outputs[s:s + batch_size])]
+        seqs = [p + o for p, o in zip(prompts[s : s + batch_size], outputs[s : s + batch_size])]
         width = max(len(q) for q in seqs)
         x = torch.full((len(seqs), width), ids.eos[-1], dtype=torch.long, device=dev)
         for i, q in enumerate(seqs):
-            x[i, :len(q)] = torch.tensor(q, device=dev)
+            x[i, : len(q)] = torch.tensor(q, device=dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             pred = draft(input_ids=x).logits.argmax(-1).cpu()  # [B, width]: prediction for position t+1
         for i, q in enumerate(seqs):
             p0, end = len(prompts[s + i]), len(q)
-            match = (pred[i, p0 - 1:end - 1] == torch.tensor(q[p0:end])).tolist()
+            match = (pred[i, p0 - 1 : end - 1] == torch.tensor(q[p0:end])).tolist()
             phase = _initial_phase(prompts[s + i], ids)
             t = 0
             n_out = end - p0
@@ -222,15 +245,16 @@ def teacher_forced_acceptance(draft: torch.nn.Module, prompts: list[list[int]], 
                 key = "thinking" if phase else "answer"
                 stats.rounds[key] += 1
                 stats.emitted[key] += n + 1
-                for tok in q[p0 + t:p0 + t + n + 1]:
+                for tok in q[p0 + t : p0 + t + n + 1]:
                     phase = (tok == ids.think_start) or (phase and tok != ids.think_end)
                 t += n + 1
     return stats
 
 
 @torch.no_grad()
-def fork_agreement(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-                   samples: list[Sample]) -> dict[str, float]:
+def fork_agreement(
+    target: torch.nn.Module, draft: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, samples: list[Sample]
+) -> dict[str, float]:
     """Teacher-forced top-1 agreement of draft and target on reference traces, split by token kind.
 
     "fork" tokens start a uniform wording choice of the data (known from the generator), the rest of
@@ -248,8 +272,10 @@ def fork_agreement(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: P
         forks = {starts[off] for off, m in s.forks if m >= 3 and off in starts}
         begin, end = len(THINK_START) + 1, s.completion.index(THINK_END)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            lt = target(input_ids=x).logits[0, len(prompt) - 1:-1].float()  # [C, V]: rows predict completion
-            ld = draft(input_ids=x).logits[0, len(prompt) - 1:-1].float()
+            lt = (
+                target(input_ids=x).logits[0, len(prompt) - 1 : -1].float()
+            )  # [C, V]: rows predict completion
+            ld = draft(input_ids=x).logits[0, len(prompt) - 1 : -1].float()
         agree = (lt.argmax(-1) == ld.argmax(-1)).tolist()
         pmax = lt.softmax(-1).max(-1).values.tolist()
         for i, (a, b) in enumerate(enc["offset_mapping"]):
@@ -260,10 +286,12 @@ def fork_agreement(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: P
             counts[key] += 1
             if key == "fork":
                 top1_at_forks.append(pmax[i])
-    return {"fork_agreement": hits["fork"] / max(1, counts["fork"]),
-            "determined_agreement": hits["determined"] / max(1, counts["determined"]),
-            "data_fork_share": counts["fork"] / max(1, counts["fork"] + counts["determined"]),
-            "target_top1_at_forks": sum(top1_at_forks) / max(1, len(top1_at_forks))}
+    return {
+        "fork_agreement": hits["fork"] / max(1, counts["fork"]),
+        "determined_agreement": hits["determined"] / max(1, counts["determined"]),
+        "data_fork_share": counts["fork"] / max(1, counts["fork"] + counts["determined"]),
+        "target_top1_at_forks": sum(top1_at_forks) / max(1, len(top1_at_forks)),
+    }
 
 
 def _initial_phase(prompt: list[int], ids: TokenIds) -> bool:
@@ -282,10 +310,20 @@ def load(path: str, device: torch.device) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
-def analyze(target_path: str, draft_paths: list[str], n: int = 500, seed: int = 20261130, k: int = 4,
-            relax: list[Relax] | None = None, max_new_tokens: int = 512, device: str | None = None,
-            batch_size: int = 512, time_budget_s: float | None = None, agreement_samples: int = 50,
-            log=print) -> dict:
+def analyze(
+    target_path: str,
+    draft_paths: list[str],
+    n: int = 500,
+    seed: int = 20261130,
+    k: int = 4,
+    relax: list[Relax] | None = None,
+    max_new_tokens: int = 512,
+    device: str | None = None,
+    batch_size: int = 512,
+    time_budget_s: float | None = None,
+    agreement_samples: int = 50,
+    log=print,
+) -> dict:
     """All measurements for one target and one or more drafts; returns a JSON-able dict.
 
     Relaxed simulations are skipped (and marked so) once `time_budget_s` has passed.
@@ -301,12 +339,15 @@ def analyze(target_path: str, draft_paths: list[str], n: int = 500, seed: int = 
     prompts = [tok(chat_prompt(p.question), add_special_tokens=False)["input_ids"] for p in problems]
     target = load(target_path, dev)
     t0 = time.time()
-    outs, _, pmax = speculative_generate(target, None, prompts, ids, max_new_tokens=max_new_tokens,
-                                         batch_size=batch_size)
+    outs, _, pmax = speculative_generate(
+        target, None, prompts, ids, max_new_tokens=max_new_tokens, batch_size=batch_size
+    )
     texts = tok.batch_decode(outs)
     n_think = [_count_thinking(o, ids) for o in outs]
     result: dict = {
-        "n_problems": n, "seed": seed, "k": k,
+        "n_problems": n,
+        "seed": seed,
+        "k": k,
         "target": {
             "path": target_path,
             "accuracy": sum(grade(t, p) for t, p in zip(texts, problems)) / n,
@@ -324,25 +365,41 @@ def analyze(target_path: str, draft_paths: list[str], n: int = 500, seed: int = 
         st = teacher_forced_acceptance(draft, prompts, outs, ids, k=k, batch_size=batch_size)
         agreement = fork_agreement(target, draft, tok, generate_samples(agreement_samples, seed + 1))
         n_params = sum(p.numel() for p in {id(p): p for p in draft.parameters()}.values())
-        entry = {"path": dp, "params": n_params,
-                 "strict": {"thinking_al": st.mean_acceptance_length("thinking"),
-                            "answer_al": st.mean_acceptance_length("answer")},
-                 "agreement": agreement, "relaxed": []}
+        entry = {
+            "path": dp,
+            "params": n_params,
+            "strict": {
+                "thinking_al": st.mean_acceptance_length("thinking"),
+                "answer_al": st.mean_acceptance_length("answer"),
+            },
+            "agreement": agreement,
+            "relaxed": [],
+        }
         for r in relax:
             if time_budget_s is not None and time.time() - start > time_budget_s:
                 entry["relaxed"].append({**asdict(r), "skipped": "time budget"})
                 continue
-            r_outs, r_st, _ = speculative_generate(target, draft, prompts, ids, k=k, relax=r,
-                                                   max_new_tokens=max_new_tokens, batch_size=batch_size)
+            r_outs, r_st, _ = speculative_generate(
+                target,
+                draft,
+                prompts,
+                ids,
+                k=k,
+                relax=r,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+            )
             r_texts = tok.batch_decode(r_outs)
-            entry["relaxed"].append({
-                **asdict(r),
-                "thinking_al": r_st.mean_acceptance_length("thinking"),
-                "answer_al": r_st.mean_acceptance_length("answer"),
-                "relaxed_only_accepted": r_st.relaxed_only,
-                "accuracy": sum(grade(t, p) for t, p in zip(r_texts, problems)) / n,
-                "mean_output_tokens": sum(len(o) for o in r_outs) / n,
-            })
+            entry["relaxed"].append(
+                {
+                    **asdict(r),
+                    "thinking_al": r_st.mean_acceptance_length("thinking"),
+                    "answer_al": r_st.mean_acceptance_length("answer"),
+                    "relaxed_only_accepted": r_st.relaxed_only,
+                    "accuracy": sum(grade(t, p) for t, p in zip(r_texts, problems)) / n,
+                    "mean_output_tokens": sum(len(o) for o in r_outs) / n,
+                }
+            )
         entry["seconds"] = round(time.time() - t0, 1)
         result["drafts"].append(entry)
         log(json.dumps(entry))
@@ -361,18 +418,26 @@ def _count_thinking(out: list[int], ids: TokenIds) -> int:
 
 def format_table(result: dict) -> str:
     t = result["target"]
-    lines = [f"target: accuracy {t['accuracy']:.3f}  fork fraction {t['fork_fraction']:.3f}  "
-             f"thinking share {t['thinking_token_share']:.3f}  "
-             f"({result['n_problems']} problems, k={result['k']})",
-             "draft | params | agreement fork/determined | strict thinking AL | "
-             "relaxed (ratio, top_k): thinking AL, x strict, accuracy"]
+    lines = [
+        f"target: accuracy {t['accuracy']:.3f}  fork fraction {t['fork_fraction']:.3f}  "
+        f"thinking share {t['thinking_token_share']:.3f}  "
+        f"({result['n_problems']} problems, k={result['k']})",
+        "draft | params | agreement fork/determined | strict thinking AL | "
+        "relaxed (ratio, top_k): thinking AL, x strict, accuracy",
+    ]
     for d in result["drafts"]:
         s = d["strict"]["thinking_al"]
         ag = d["agreement"]
-        rel = "; ".join(f"({r['ratio']}, {r['top_k']}): {r['thinking_al']:.2f}, x{r['thinking_al'] / s:.2f}, "
-                        f"{r['accuracy']:.3f}" for r in d["relaxed"] if "skipped" not in r)
-        lines.append(f"{d['path']} | {d['params'] / 1e6:.2f}M | {ag['fork_agreement']:.2f}/"
-                     f"{ag['determined_agreement']:.2f} | {s:.2f} | {rel}")
+        rel = "; ".join(
+            f"({r['ratio']}, {r['top_k']}): {r['thinking_al']:.2f}, x{r['thinking_al'] / s:.2f}, "
+            f"{r['accuracy']:.3f}"
+            for r in d["relaxed"]
+            if "skipped" not in r
+        )
+        lines.append(
+            f"{d['path']} | {d['params'] / 1e6:.2f}M | {ag['fork_agreement']:.2f}/"
+            f"{ag['determined_agreement']:.2f} | {s:.2f} | {rel}"
+        )
     return "\n".join(lines)
 
 
@@ -393,8 +458,18 @@ def main(argv: list[str] | None = None) -> None:
     relax = None
     if a.relax:
         relax = [Relax(float(r.split(",")[0]), int(r.split(",")[1])) for r in a.relax]
-    res = analyze(a.target, a.draft, n=a.n, seed=a.seed, k=a.k, relax=relax, max_new_tokens=a.max_new_tokens,
-                  device=a.device, batch_size=a.batch_size, time_budget_s=a.time_budget_s)
+    res = analyze(
+        a.target,
+        a.draft,
+        n=a.n,
+        seed=a.seed,
+        k=a.k,
+        relax=relax,
+        max_new_tokens=a.max_new_tokens,
+        device=a.device,
+        batch_size=a.batch_size,
+        time_budget_s=a.time_budget_s,
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

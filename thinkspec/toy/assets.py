@@ -25,6 +25,7 @@ def resolve_model_path(name_or_path: str) -> str:
         )
     return str(path)
 
+
 # The relaxed setting `thinkspec demo` shows: the one the toy quality gates were measured with
 # (docs/BENCHMARKS.md).
 DEMO_RELAX_RATIO = 0.1

@@ -18,12 +18,32 @@ MAX_VALUE = 9999  # every running total stays within four digits
 COLUMN_NAMES = ("ones", "tens", "hundreds", "thousands")
 
 NAMES = (
-    ("Mia", "she"), ("Leo", "he"), ("Ava", "she"), ("Sam", "he"), ("Zoe", "she"), ("Max", "he"),
-    ("Lily", "she"), ("Ben", "he"), ("Emma", "she"), ("Noah", "he"), ("Ella", "she"), ("Jack", "he"),
+    ("Mia", "she"),
+    ("Leo", "he"),
+    ("Ava", "she"),
+    ("Sam", "he"),
+    ("Zoe", "she"),
+    ("Max", "he"),
+    ("Lily", "she"),
+    ("Ben", "he"),
+    ("Emma", "she"),
+    ("Noah", "he"),
+    ("Ella", "she"),
+    ("Jack", "he"),
 )
 ITEMS = (
-    "apples", "stickers", "marbles", "coins", "books", "stamps",
-    "cards", "shells", "pencils", "beads", "cookies", "buttons",
+    "apples",
+    "stickers",
+    "marbles",
+    "coins",
+    "books",
+    "stamps",
+    "cards",
+    "shells",
+    "pencils",
+    "beads",
+    "cookies",
+    "buttons",
 )
 
 CHAT_USER = "<|im_start|>user\n{content}<|im_end|>\n"
@@ -150,8 +170,9 @@ def chat_prompt(question: str) -> str:
 class _Writer:
     """Accumulates trace text and records where each uniform wording choice begins."""
 
-    def __init__(self, rng: random.Random, offset: int) -> None:
+    def __init__(self, rng: random.Random, offset: int, fork_bias: float = 0.0) -> None:
         self.rng = rng
+        self.fork_bias = fork_bias
         self.parts: list[str] = []
         self.pos = offset
         self.forks: list[tuple[int, int]] = []
@@ -161,9 +182,14 @@ class _Writer:
         self.pos += len(text)
 
     def choose(self, *options: str) -> str:
-        """Uniform choice among phrasings whose first tokens differ; never decides a digit."""
+        """Choice among phrasings whose first tokens differ; never decides a digit. Uniform unless
+        fork_bias > 0, which picks the first (canonical) phrasing with that extra probability."""
         self.forks.append((self.pos, len(options)))
-        s = self.rng.choice(options)
+        # No extra draw at fork_bias 0, so the default stream (and every bundled dataset) is unchanged.
+        if self.fork_bias > 0 and self.rng.random() < self.fork_bias:
+            s = options[0]
+        else:
+            s = self.rng.choice(options)
         self.put(s)
         return s
 
@@ -185,8 +211,11 @@ def _equals(w: _Writer) -> None:
     w.choose(" =", " gives", " makes", " is")
 
 
-_OP_WORDS = {"+": (" +", " plus", " and", " added to"), "-": (" -", " minus", " take away", " less"),
-             "x": (" x", " times", " multiplied by", " *")}
+_OP_WORDS = {
+    "+": (" +", " plus", " and", " added to"),
+    "-": (" -", " minus", " take away", " less"),
+    "x": (" x", " times", " multiplied by", " *"),
+}
 
 
 def _op_word(w: _Writer, op: str) -> None:
@@ -329,10 +358,12 @@ def _step(w: _Writer, p: Problem, i: int, a: int, op: str, b: int) -> int:
     return r
 
 
-def render_sample(p: Problem, rng: random.Random) -> Sample:
-    """Write the chat prompt, thinking trace and final answer for a problem."""
+def render_sample(p: Problem, rng: random.Random, fork_bias: float = 0.0) -> Sample:
+    """Write the chat prompt, thinking trace and final answer for a problem (fork_bias: see _Writer)."""
+    if not 0 <= fork_bias <= 1:
+        raise ValueError(f"fork_bias must be in [0, 1], got {fork_bias}")
     prompt = chat_prompt(p.question)
-    w = _Writer(rng, offset=len(THINK_START) + 1)
+    w = _Writer(rng, offset=len(THINK_START) + 1, fork_bias=fork_bias)
     w.choose("Okay", "Alright", "So", "Hmm")
     w.put(",")
     w.choose(" let me", " I need to", " we want to", " the goal is to")
@@ -355,12 +386,15 @@ def render_sample(p: Problem, rng: random.Random) -> Sample:
     return Sample(problem=p, prompt=prompt, thinking=w.text(), answer_text=answer, forks=w.forks)
 
 
-def generate_samples(n: int, seed: int, min_operands: int = 2, max_operands: int = 4) -> list[Sample]:
+def generate_samples(
+    n: int, seed: int, min_operands: int = 2, max_operands: int = 4, fork_bias: float = 0.0
+) -> list[Sample]:
     """`n` samples from one seeded stream (problem and wording drawn from the same RNG)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
-    return [render_sample(generate_problem(rng, min_operands, max_operands), rng) for _ in range(n)]
+    problems = (generate_problem(rng, min_operands, max_operands) for _ in range(n))
+    return [render_sample(p, rng, fork_bias) for p in problems]
 
 
 _ANSWER_RE = re.compile(r"\*\*Answer:\*\*\s*(-?\d+)")

@@ -15,7 +15,11 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
 )
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END)
 DEFAULT_VOCAB_SIZE = 1024
@@ -61,10 +65,12 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE)
     if not 256 + len(SPECIAL_TOKENS) < vocab_size <= 65536:
         raise ValueError(f"vocab_size must be in ({256 + len(SPECIAL_TOKENS)}, 65536], got {vocab_size}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -86,8 +92,9 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE)
     )
 
 
-def build_task_tokenizer(n_samples: int = 4000, seed: int = 1234,
-                         vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def build_task_tokenizer(
+    n_samples: int = 4000, seed: int = 1234, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
     """The toy reasoner's tokenizer, learnt on `n_samples` task samples from `seed`."""
     from thinkspec.toy.task import generate_samples
 

@@ -66,26 +66,33 @@ class TrainConfig:
     seed: int = 0
     time_budget_s: float | None = None  # shrink `steps` to fit this wall time (measured early on)
     log_every: int = 100
+    fork_bias: float = 0.0  # extra probability of each fork's first phrasing (see toy.task._Writer)
 
     def __post_init__(self) -> None:
         checks = {
-            "steps": (self.steps, 1, 10**7), "batch_size": (self.batch_size, 1, 65536),
-            "seq_len": (self.seq_len, 16, 65536), "samples": (self.samples, 1, 10**8),
-            "warmup_steps": (self.warmup_steps, 0, 10**7), "log_every": (self.log_every, 1, 10**7),
+            "steps": (self.steps, 1, 10**7),
+            "batch_size": (self.batch_size, 1, 65536),
+            "seq_len": (self.seq_len, 16, 65536),
+            "samples": (self.samples, 1, 10**8),
+            "warmup_steps": (self.warmup_steps, 0, 10**7),
+            "log_every": (self.log_every, 1, 10**7),
         }
         for name, (v, lo, hi) in checks.items():
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
         if not 0 < self.lr <= 1:
             raise ValueError(f"lr must be in (0, 1], got {self.lr}")
+        if not 0 <= self.fork_bias <= 1:
+            raise ValueError(f"fork_bias must be in [0, 1], got {self.fork_bias}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 or None, got {self.time_budget_s}")
 
 
-def make_config(size: ModelSize, tokenizer: PreTrainedTokenizerFast,
-                max_positions: int = 1024) -> Qwen3Config:
+def make_config(
+    size: ModelSize, tokenizer: PreTrainedTokenizerFast, max_positions: int = 1024
+) -> Qwen3Config:
     """Qwen3 config with tied embeddings; the vocabulary is padded to a multiple of 64."""
     vocab = (len(tokenizer) + 63) // 64 * 64
     eos = tokenizer.convert_tokens_to_ids(IM_END)
@@ -108,21 +115,22 @@ def make_config(size: ModelSize, tokenizer: PreTrainedTokenizerFast,
     )
 
 
-def _encode_chunk(args: tuple[int, int, str]) -> list[tuple[np.ndarray, int]]:
-    n, seed, tokenizer_json = args
+def _encode_chunk(args: tuple[int, int, str, float]) -> list[tuple[np.ndarray, int]]:
+    n, seed, tokenizer_json, fork_bias = args
     tok = Tokenizer.from_str(tokenizer_json)
-    samples = generate_samples(n, seed)
+    samples = generate_samples(n, seed, fork_bias=fork_bias)
     prompts = tok.encode_batch([s.prompt for s in samples], add_special_tokens=False)
     comps = tok.encode_batch([s.completion for s in samples], add_special_tokens=False)
     return [(np.asarray(p.ids + c.ids, dtype=np.int32), len(p.ids)) for p, c in zip(prompts, comps)]
 
 
-def build_pool(tokenizer: PreTrainedTokenizerFast, n: int, seed: int,
-               workers: int = 1) -> list[tuple[np.ndarray, int]]:
+def build_pool(
+    tokenizer: PreTrainedTokenizerFast, n: int, seed: int, workers: int = 1, fork_bias: float = 0.0
+) -> list[tuple[np.ndarray, int]]:
     """`n` tokenized samples as (ids [L] int32, prompt length); chunks are seeded from `seed`."""
     chunk = 2000
     tj = tokenizer.backend_tokenizer.to_str()
-    jobs = [(min(chunk, n - i), seed * 1_000_003 + i // chunk, tj) for i in range(0, n, chunk)]
+    jobs = [(min(chunk, n - i), seed * 1_000_003 + i // chunk, tj, fork_bias) for i in range(0, n, chunk)]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
             parts = list(ex.map(_encode_chunk, jobs))
@@ -131,8 +139,9 @@ def build_pool(tokenizer: PreTrainedTokenizerFast, n: int, seed: int,
     return [x for part in parts for x in part]
 
 
-def pack(pool: list[tuple[np.ndarray, int]], seq_len: int, pad_id: int,
-         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    pool: list[tuple[np.ndarray, int]], seq_len: int, pad_id: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack whole samples into rows; returns input_ids [N, T] int64 and labels [N, T] int64.
 
     labels[t] is the token at t (HF shifts internally); prompt and padding positions are IGNORE.
@@ -154,8 +163,8 @@ def pack(pool: list[tuple[np.ndarray, int]], seq_len: int, pad_id: int,
             x = np.full(seq_len, pad_id, dtype=np.int64)
             y = np.full(seq_len, IGNORE, dtype=np.int64)
             fill = 0
-        x[fill:fill + len(ids)] = ids
-        y[fill + n_prompt:fill + len(ids)] = ids[n_prompt:]
+        x[fill : fill + len(ids)] = ids
+        y[fill + n_prompt : fill + len(ids)] = ids[n_prompt:]
         fill += len(ids)
     if fill:
         rows_x.append(x)
@@ -171,8 +180,14 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def train_model(model: Qwen3ForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor, cfg: TrainConfig,
-                device: torch.device, log: bool = True) -> dict:
+def train_model(
+    model: Qwen3ForCausalLM,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: TrainConfig,
+    device: torch.device,
+    log: bool = True,
+) -> dict:
     """Trains in place on rows input_ids/labels [N, T] int64; returns a summary with the loss curve."""
     model.to(device).train()
     use_cuda = device.type == "cuda"
@@ -180,7 +195,10 @@ def train_model(model: Qwen3ForCausalLM, input_ids: torch.Tensor, labels: torch.
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=use_cuda,
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=use_cuda,
     )
     if use_cuda:
         input_ids, labels = input_ids.to(device), labels.to(device)  # a few GB at most
@@ -195,7 +213,7 @@ def train_model(model: Qwen3ForCausalLM, input_ids: torch.Tensor, labels: torch.
     while step < total:
         if cursor + cfg.batch_size > n_rows:
             perm, cursor = torch.randperm(n_rows, generator=gen), 0
-        idx = perm[cursor:cursor + cfg.batch_size].to(input_ids.device)
+        idx = perm[cursor : cursor + cfg.batch_size].to(input_ids.device)
         cursor += cfg.batch_size
         x = input_ids[idx].to(device, non_blocking=True)
         y = labels[idx].to(device, non_blocking=True)
@@ -222,14 +240,26 @@ def train_model(model: Qwen3ForCausalLM, input_ids: torch.Tensor, labels: torch.
             v = float(loss.detach())
             losses.append((step, v))
             if log:
-                print(f"step {step}/{total} loss {v:.4f} lr {lr_at(step - 1, total, cfg):.2e} "
-                      f"{time.time() - t0:.0f}s", flush=True)
-    return {"steps": total, "seconds": round(time.time() - t0, 1), "losses": losses,
-            "tokens_seen": total * cfg.batch_size * cfg.seq_len}
+                print(
+                    f"step {step}/{total} loss {v:.4f} lr {lr_at(step - 1, total, cfg):.2e} "
+                    f"{time.time() - t0:.0f}s",
+                    flush=True,
+                )
+    return {
+        "steps": total,
+        "seconds": round(time.time() - t0, 1),
+        "losses": losses,
+        "tokens_seen": total * cfg.batch_size * cfg.seq_len,
+    }
 
 
-def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: str | Path,
-                    dtype: torch.dtype = torch.bfloat16, meta: dict | None = None) -> None:
+def save_checkpoint(
+    model: Qwen3ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    out: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    meta: dict | None = None,
+) -> None:
     """Writes a Hugging Face folder: model.safetensors in `dtype`, configs, tokenizer, train_meta.json."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +267,10 @@ def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast,
     model.config.dtype = dtype
     eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)]
     model.generation_config = GenerationConfig(
-        eos_token_id=eos, pad_token_id=eos[1], do_sample=False, max_new_tokens=512,
+        eos_token_id=eos,
+        pad_token_id=eos[1],
+        do_sample=False,
+        max_new_tokens=512,
     )
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
@@ -258,8 +291,15 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def run(role: str, out: str | Path, size: ModelSize, cfg: TrainConfig, tokenizer_path: str | None = None,
-        device: str | None = None, workers: int = 1) -> dict:
+def run(
+    role: str,
+    out: str | Path,
+    size: ModelSize,
+    cfg: TrainConfig,
+    tokenizer_path: str | None = None,
+    device: str | None = None,
+    workers: int = 1,
+) -> dict:
     """Builds (or loads) the tokenizer, generates data, trains one model and saves it to `out`."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tokenizer_path:
@@ -268,18 +308,27 @@ def run(role: str, out: str | Path, size: ModelSize, cfg: TrainConfig, tokenizer
         tokenizer = build_task_tokenizer()
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    pool = build_pool(tokenizer, cfg.samples, cfg.seed, workers=workers)
+    pool = build_pool(tokenizer, cfg.samples, cfg.seed, workers=workers, fork_bias=cfg.fork_bias)
     input_ids, labels = pack(pool, cfg.seq_len, tokenizer.convert_tokens_to_ids(ENDOFTEXT), cfg.seed)
     data_s = time.time() - t0
-    print(f"{role}: {len(pool)} samples -> {input_ids.shape[0]} rows of {cfg.seq_len} in {data_s:.1f}s",
-          flush=True)
+    print(
+        f"{role}: {len(pool)} samples -> {input_ids.shape[0]} rows of {cfg.seq_len} in {data_s:.1f}s",
+        flush=True,
+    )
     model = Qwen3ForCausalLM(make_config(size, tokenizer))
     n_params = count_params(model)
     print(f"{role}: {n_params / 1e6:.2f}M parameters {asdict(size)}", flush=True)
     summary = train_model(model, input_ids, labels, cfg, dev)
-    meta = {"role": role, "params": n_params, "size": asdict(size), "train": asdict(cfg),
-            "data_seconds": round(data_s, 1), "rows": int(input_ids.shape[0]), **summary,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    meta = {
+        "role": role,
+        "params": n_params,
+        "size": asdict(size),
+        "train": asdict(cfg),
+        "data_seconds": round(data_s, 1),
+        "rows": int(input_ids.shape[0]),
+        **summary,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    }
     save_checkpoint(model, tokenizer, out, meta=meta)
     return meta
 
@@ -293,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=None, help="override the preset")
     defaults = TrainConfig()
     for f in TrainConfig.__dataclass_fields__:
-        typ = float if f in ("lr", "min_lr_ratio", "weight_decay", "time_budget_s") else int
+        typ = float if f in ("lr", "min_lr_ratio", "weight_decay", "time_budget_s", "fork_bias") else int
         ap.add_argument("--" + f.replace("_", "-"), type=typ, default=getattr(defaults, f))
     ap.add_argument("--device", default=None)
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))

@@ -1,0 +1,183 @@
+"""Launch-shape sweep for the fused acceptance kernel's stats pass (strict greedy, the hot path).
+
+For each (tile, warps, programs per SM) it times `rejection_sample_triton(..., all_greedy=True)` as
+CUDA-graph replays two ways, on inputs rotating over enough fresh buffers that no call hits L2:
+  flushed   triton.testing.do_bench median (L2 flushed by a 256 MB write before every call, so the
+            kernel also pays for writing those dirty lines back)
+  b2b       N replays back to back between two events, divided by N (as a round runs them)
+and reports each against the HBM floor (logits bytes / measured copy bandwidth). It also times the
+stats launch alone, to split the cost between the two launches.
+
+Usage: python benchmarks/tune_acceptance.py --out tune.json [--rows 320,1280] [--dtypes bf16,fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def time_graphs(graphs: list[torch.cuda.CUDAGraph], n: int) -> tuple[float, float]:
+    """(flushed median us, back-to-back mean us) over the rotating graphs."""
+    import triton.testing
+
+    cyc = itertools.cycle(graphs)
+    flushed = float(
+        triton.testing.do_bench(lambda: next(cyc).replay(), warmup=20, rep=100, return_mode="median")
+    )
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(3):
+        start.record()
+        for i in range(n):
+            graphs[i % len(graphs)].replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / n)
+    return flushed * 1e3, best * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, read + write."""
+    import triton.testing
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median"))
+    return 2 * n / (ms * 1e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="320,1280")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--tiles", default="1024,2048,4096,8192")
+    ap.add_argument("--warps", default="4,8,16")
+    ap.add_argument("--programs-per-sm", default="4,8,16,32,64")
+    ap.add_argument("--replays", type=int, default=40)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_acceptance needs a CUDA device")
+    import thinkspec.sampling.rejection_triton as rt
+
+    bw = copy_bandwidth()
+    results = []
+    k, v = args.k, args.vocab
+    for dt in args.dtypes.split(","):
+        for rows in map(int, args.rows.split(",")):
+            b = rows // (k + 1)
+            dtype = DTYPES[dt]
+            nbytes = rows * v * torch.finfo(dtype).bits // 8
+            nbuf = max(3, math.ceil(600e6 / nbytes))
+            gen = torch.Generator(device="cuda").manual_seed(rows)
+            bufs = []
+            for _ in range(nbuf):
+                lg = (torch.randn(b, k + 1, v, device="cuda", generator=gen) * 3).to(dtype)
+                top = lg[:, :k].float().argmax(-1)
+                d = torch.where(
+                    torch.rand(b, k, device="cuda", generator=gen) < 0.7,
+                    top,
+                    torch.randint(0, v, (b, k), device="cuda", generator=gen),
+                )
+                bufs.append((lg, d))
+            common = dict(
+                num_draft_tokens=torch.full((b,), k, dtype=torch.long, device="cuda"),
+                relax_mask=torch.zeros(b, k, dtype=torch.bool, device="cuda"),
+                temperature=torch.zeros(b, device="cuda"),
+                relax_ratio=torch.full((b,), 0.3, device="cuda"),
+                relax_top_k=torch.full((b,), 10, dtype=torch.long, device="cuda"),
+                relax_delta=torch.full((b,), math.nan, device="cuda"),
+            )
+            floor = nbytes / bw * 1e6
+            ref = None
+            for tile, warps, pps in itertools.product(
+                map(int, args.tiles.split(",")), map(int, args.warps.split(",")),
+                map(int, args.programs_per_sm.split(",")),
+            ):  # fmt: skip
+                rt.STATS_TILE, rt.STATS_WARPS, rt.PROGRAMS_PER_SM = tile, warps, pps
+                try:
+                    res = rt.rejection_sample_triton(*bufs[0], **common, all_greedy=True)
+                    torch.cuda.synchronize()
+                except Exception as e:  # a launch shape the compiler refuses: record and go on
+                    err = str(e)[:200]
+                    results.append(dict(dtype=dt, rows=rows, tile=tile, warps=warps, pps=pps, error=err))
+                    continue
+                out = (res.num_accepted.clone(), res.output_token_ids.clone())
+                if ref is None:
+                    ref = out
+                elif not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
+                    raise RuntimeError(f"config tile={tile} warps={warps} pps={pps} changed the result")
+                fns = [lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
+                       for lg, d in bufs]  # fmt: skip
+                graphs = [_graph(fn) for fn in fns]
+                flushed, b2b = time_graphs(graphs, args.replays)
+                del graphs
+                tile_, nc, chunk = rt._stats_split(rows, v, torch.device("cuda"))
+                r = dict(
+                    dtype=dt,
+                    rows=rows,
+                    tile=tile,
+                    warps=warps,
+                    pps=pps,
+                    nc=nc,
+                    chunk=chunk,
+                    floor_us=floor,
+                    flushed_us=flushed,
+                    b2b_us=b2b,
+                    flushed_x=flushed / floor,
+                    b2b_x=b2b / floor,
+                )
+                results.append(r)
+                print(json.dumps(r), flush=True)
+            del bufs
+            torch.cuda.empty_cache()
+    report = dict(
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        device=torch.cuda.get_device_name(),
+        copy_bandwidth_tb_s=bw / 1e12,
+        args=vars(args),
+        results=results,
+    )
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; best configs (b2b, then flushed):")
+    ok = [r for r in results if "error" not in r]
+    for dt in args.dtypes.split(","):
+        for rows in map(int, args.rows.split(",")):
+            case = [r for r in ok if r["dtype"] == dt and r["rows"] == rows]
+            for key in ("b2b_x", "flushed_x"):
+                top = sorted(case, key=lambda r: r[key])[:3]
+                best = "; ".join(
+                    f"tile {r['tile']} w{r['warps']} pps {r['pps']}: "
+                    f"b2b {r['b2b_x']:.2f}x flushed {r['flushed_x']:.2f}x"
+                    for r in top
+                )
+                print(f"{dt} {rows:5} by {key}: {best}")
+
+
+if __name__ == "__main__":
+    main()
