@@ -76,8 +76,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tiles", default="1024,2048,4096,8192")
-    ap.add_argument("--warps", default="4,8,16")
-    ap.add_argument("--programs-per-sm", default="4,8,16,32,64")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--programs-per-sm", default="8,16,32,64")
     ap.add_argument("--replays", type=int, default=40)
     args = ap.parse_args()
     if not torch.cuda.is_available():
