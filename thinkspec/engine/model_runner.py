@@ -7,21 +7,35 @@ get a second ModelRunner with its own pool of the same `num_blocks` and share th
 KV pool: one tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; layer l
 gets the views kv[0, l] (k_cache) and kv[1, l] (v_cache).
 
+Steps: every step's inputs are packed on the host into one pinned int64 buffer and go to the
+device in one copy. Given a GraphSpec (CUDA only), steps whose shape fits a captured graph key
+(decode, verification windows, draft steps) replay a CUDA graph instead of running eagerly; see
+cuda_graph.py.
+
 Pool size: on CPU, `kv_cache_memory` bytes (default 256 MiB). On GPU, `gpu_memory_utilization`
-is the fraction of the device's total memory this process may use, as in vLLM: after the model
-is loaded, a profile forward of max_num_batched_tokens tokens measures the peak; the pool gets
-utilization * total - peak - memory held outside PyTorch's allocator. `kv_cache_memory`, when
-given, overrides this on either device.
+is the fraction of the device's total memory this process may use, as in vLLM: after the models
+are loaded, a profile forward of max_num_batched_tokens tokens measures the peak; the pool gets
+utilization * total - peak - memory held outside PyTorch's allocator - CUDA-graph memory.
+CUDA-graph memory (when graphs are on) is measured, not guessed: measure_cuda_graph_memory
+captures, with a throw-away one-block KV pool, the graphs each runner captures before any other
+(the largest batch bucket at every query width, largest first), and counts the growth of
+torch.cuda.memory_reserved: the static buffers (inputs, block tables, logits) plus the shared graph
+pool. Later captures of smaller keys reuse that pool memory, so after warm-up the process holds
+about weights + KV + that measurement + the profiled activation peak + non-torch memory, i.e.
+utilization * total. `kv_cache_memory`, when given, overrides all of this on either device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
 from torch import nn
 
+from thinkspec.engine.cuda_graph import CUDAGraphCache, GraphSpec, InputLayout, pack_batch
 from thinkspec.engine.sequence import Sequence
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context
@@ -84,8 +98,12 @@ def determine_kv_cache_memory(
     max_model_len: int,
     max_num_seqs: int,
     vocab_size: int,
+    reserved_bytes: int = 0,
 ) -> int:
-    """Bytes available for KV pools (see the module docstring); raises ValueError when none is left."""
+    """Bytes available for KV pools (see the module docstring); raises ValueError when none is left.
+
+    reserved_bytes: memory that will be taken after the pools exist and that the profile does not
+    see (CUDA graphs: measure_cuda_graph_memory); subtracted on GPU."""
     if kv_cache_memory is not None:
         return kv_cache_memory
     if device.type != "cuda":
@@ -105,21 +123,69 @@ def determine_kv_cache_memory(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))  # CUDA context, others
-    available = int(gpu_memory_utilization * total) - peak - outside_torch
+    available = int(gpu_memory_utilization * total) - peak - outside_torch - reserved_bytes
     logger.info(
-        "KV memory: total %.2f GiB x %.2f - peak %.2f GiB - non-torch %.2f GiB = %.2f GiB",
-        total / 2**30, gpu_memory_utilization, peak / 2**30, outside_torch / 2**30, available / 2**30,
+        "KV memory: total %.2f GiB x %.2f - peak %.2f GiB - non-torch %.2f GiB - CUDA graphs %.2f GiB "
+        "= %.2f GiB",
+        total / 2**30, gpu_memory_utilization, peak / 2**30, outside_torch / 2**30, reserved_bytes / 2**30,
+        available / 2**30,
     )  # fmt: skip
     if available <= 0:
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
-            f"(model + activations use {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB); raise it "
-            "or lower max_num_batched_tokens"
+            f"(model + activations use {peak / 2**30:.2f} GiB, CUDA graphs {reserved_bytes / 2**30:.2f} "
+            f"GiB of {total / 2**30:.2f} GiB); raise it or lower max_num_batched_tokens"
         )
     return available
 
 
+def measure_cuda_graph_memory(
+    models: Seq[tuple[nn.Module, ModelInfo, GraphSpec]], *, block_size: int, device: torch.device
+) -> int:
+    """Bytes of device memory the CUDA graphs of these models take (see the module docstring).
+
+    Each (model, info, spec) gets a throw-away runner with a one-block KV pool that captures the
+    graphs its real runner captures first (spec.first_keys()), all into one fresh graph pool;
+    the growth of torch.cuda.memory_reserved over that is the answer. Everything is freed again
+    before returning; the Triton kernels stay compiled. The models' attention layers must already
+    use the backend the engine will run (graphs need the Triton one).
+    """
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    pool = torch.cuda.graph_pool_handle()
+    runners = []
+    for model, info, spec in models:
+        runner = ModelRunner.for_model(
+            model, info, num_blocks=1, block_size=block_size, device=device,
+            graphs=dataclasses.replace(spec, pool=pool),
+        )  # fmt: skip
+        assert runner.graphs is not None
+        for key in spec.first_keys():
+            runner.graphs.ensure_captured(key)
+        runners.append(runner)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    kv_bytes = sum(r.kv_cache.numel() * r.kv_cache.element_size() for r in runners)
+    used = torch.cuda.memory_reserved(device) - before - kv_bytes
+    for runner in runners:
+        runner.release()
+    del runners, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    logger.info("CUDA graphs: %.1f MiB of static buffers and graph pool", used / 2**20)
+    return max(0, used)
+
+
 class ModelRunner:
+    """One model's KV pool and step execution.
+
+    graphs: a GraphSpec to replay CUDA graphs for the steps that fit one (CUDA only; the Triton
+    attention backend must be installed on the model); None runs every step eagerly.
+    use_cuda_graphs can be switched off at any time (e.g. to compare with eager runs).
+    """
+
     def __init__(
         self,
         model: nn.Module,
@@ -130,6 +196,7 @@ class ModelRunner:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        graphs: GraphSpec | None = None,
     ) -> None:
         self.model = model
         self.num_blocks = num_blocks
@@ -138,6 +205,8 @@ class ModelRunner:
         layers = attention_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
+        if graphs is not None and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         # [2, L, num_blocks, block_size, Hkv, D] model dtype; zeros so unwritten slots are finite.
         self.kv_cache = torch.zeros(
             2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
@@ -153,10 +222,19 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self._host = torch.empty(0, dtype=torch.int64)
         self._copy_done = torch.cuda.Event() if self._pin else None  # guards reuse of self._host
+        self.graphs = CUDAGraphCache(model, graphs, device) if graphs is not None else None
+        self.use_cuda_graphs = self.graphs is not None
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, info: ModelInfo, *, num_blocks: int, block_size: int, device: torch.device
+        cls,
+        model: nn.Module,
+        info: ModelInfo,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        graphs: GraphSpec | None = None,
     ) -> ModelRunner:
         """A runner whose pool has the KV layout of a loaded model (heads, head_dim, dtype from info)."""
         return cls(
@@ -167,7 +245,19 @@ class ModelRunner:
             head_dim=info.head_dim,
             dtype=info.dtype,
             device=device,
+            graphs=graphs,
         )
+
+    def release(self) -> None:
+        """Drop the graphs and the KV pool (the model's layers keep empty caches)."""
+        self.graphs = None
+        self.use_cuda_graphs = False
+        mine = self.kv_cache.untyped_storage().data_ptr()
+        for layer in attention_layers(self.model):
+            if layer.k_cache.numel() and layer.k_cache.untyped_storage().data_ptr() == mine:
+                layer.k_cache = torch.empty(0)
+                layer.v_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0)
 
     def prepare_inputs(
         self,
@@ -184,56 +274,27 @@ class ModelRunner:
         input_token_ids[i] when given) and wants logits for its last num_logits[i] rows.
         Returns input_ids [T] int64, positions [T] int64, metadata, logits_indices [N] int64.
         """
-        bs = self.block_size
         num_seqs = len(seqs)
-        total = int(sum(num_new_tokens))
-        num_rows = int(sum(num_logits))
-        width = max(len(s.block_table) for s in seqs)
-        sizes = (total, total, total, num_rows, num_seqs + 1, num_seqs, num_seqs * width)
-        offsets = np.cumsum((0, *sizes))
-        buf = self._host_buffer(int(offsets[-1]))
-        host = buf.numpy()
-        ids_h, pos_h, slot_h, rows_h, qsl_h, lens_h, table_h = (
-            host[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
+        layout = InputLayout(
+            num_tokens=int(sum(num_new_tokens)),
+            num_rows=int(sum(num_logits)),
+            num_seqs=num_seqs,
+            width=max(len(s.block_table) for s in seqs),
         )
-        table_h = table_h.reshape(num_seqs, width) if num_seqs else table_h
-        table_h.fill(-1)
-        qsl_h[0] = 0
-        t = r = 0
-        for i, (seq, n, k) in enumerate(zip(seqs, num_new_tokens, num_logits)):
-            start = seq.num_computed_tokens if start_positions is None else start_positions[i]
-            end = start + n
-            if n < 1 or not 0 <= k <= n:
-                raise ValueError(f"sequence {seq.request_id!r}: num_new_tokens={n}, num_logits={k}")
-            if len(seq.block_table) * bs < end:
-                raise RuntimeError(f"sequence {seq.request_id!r} has no KV slots for positions up to {end}")
-            tokens = seq.token_ids[start:end] if input_token_ids is None else input_token_ids[i]
-            if len(tokens) != n:
-                raise ValueError(f"sequence {seq.request_id!r}: {len(tokens)} input tokens for {n} positions")
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            pos = np.arange(start, end, dtype=np.int64)
-            ids_h[t : t + n] = tokens
-            pos_h[t : t + n] = pos
-            slot_h[t : t + n] = table[pos // bs] * bs + pos % bs
-            rows_h[r : r + k] = np.arange(t + n - k, t + n)
-            table_h[i, : len(table)] = table
-            t += n
-            r += k
-            qsl_h[i + 1] = t
-            lens_h[i] = end
-        if self._copy_done is not None:
-            dev = buf[: offsets[-1]].to(self.device, non_blocking=True)
-            self._copy_done.record()
-        else:
-            dev = buf[: offsets[-1]]
-        parts = [dev[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        buf = self._host_buffer(layout.size)
+        max_q, max_len = pack_batch(
+            buf.numpy(), layout, seqs, num_new_tokens, num_logits, self.block_size,
+            input_token_ids, start_positions,
+        )  # fmt: skip
+        dev = self._to_device(buf[: layout.size])
+        parts = layout.split(dev)
         meta = AttentionMetadata(
             query_start_loc=parts[4].to(torch.int32),
             seq_lens=parts[5].to(torch.int32),
             slot_mapping=parts[2],
-            block_tables=parts[6].view(num_seqs, width).to(torch.int32),
-            max_query_len=int(max(num_new_tokens)),
-            max_seq_len=int(lens_h.max()),
+            block_tables=parts[6].view(num_seqs, layout.width).to(torch.int32),
+            max_query_len=max_q,
+            max_seq_len=max_len,
         )
         return parts[0], parts[1], meta, parts[3]
 
@@ -253,9 +314,27 @@ class ModelRunner:
         device_tokens = (index [M] int64, token ids [M] int64), both on the device, overwrites
         input_ids[index] after the host copy: draft tokens that live on the device go straight in
         without a device->host round trip (their host-side input_token_ids entries are placeholders).
+
+        With CUDA graphs the logits are a view of a static buffer that this runner's next
+        execute_model overwrites: consume (or clone) them before calling it again.
         """
         if not seqs:
             raise ValueError("execute_model needs at least one sequence")
+        if self.graphs is not None and self.use_cuda_graphs:
+            width = max(len(s.block_table) for s in seqs)
+            key = self.graphs.spec.select(num_new_tokens, num_logits, width)
+            if key is not None:
+                graphs = self.graphs
+                graphs.ensure_captured(key)
+                layout = graphs.layout(key, width)
+                buf = self._host_buffer(layout.size)
+                pack_batch(
+                    buf.numpy(), layout, seqs, num_new_tokens, num_logits, self.block_size,
+                    input_token_ids, start_positions,
+                )  # fmt: skip
+                graphs.inputs[: layout.size].copy_(buf[: layout.size], non_blocking=True)
+                self._copy_done.record()
+                return graphs.replay(key, layout, int(sum(num_logits)), device_tokens)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(
             seqs, num_new_tokens, num_logits, input_token_ids, start_positions
         )
@@ -264,6 +343,13 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [T, H]
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self._copy_done is None:
+            return host
+        dev = host.to(self.device, non_blocking=True)
+        self._copy_done.record()
+        return dev
 
     def _host_buffer(self, size: int) -> torch.Tensor:
         # Reused across steps: wait until the previous step's non_blocking copy has read it.
