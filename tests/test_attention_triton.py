@@ -75,13 +75,13 @@ def test_choose_splits_from_host_shape_only():
 
 
 def test_engine_config_attention_backend_validation():
-    msg = r"attention_backend must be one of \('torch', 'triton'\), got 'flash'"
+    msg = r"attention_backend must be one of \('auto', 'torch', 'triton'\), got 'flash'"
     with pytest.raises(ValueError, match=msg):
         EngineConfig(model="m", attention_backend="flash")
     if not INTERPRETED:
         with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
             EngineConfig(model="m", device="cpu", attention_backend="triton")
-    assert EngineConfig(model="m").attention_backend == "torch"
+    assert EngineConfig(model="m").attention_backend == "auto"  # triton on CUDA, torch elsewhere
 
 
 # ---------------------------------------------------------------- interpreter (CPU) cases

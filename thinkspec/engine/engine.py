@@ -13,11 +13,13 @@ import torch
 
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
+from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
 from thinkspec.engine.model_runner import (
     ModelRunner,
     attention_layers,
     determine_kv_cache_memory,
     kv_cache_bytes_per_block,
+    measure_cuda_graph_memory,
 )
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
@@ -37,7 +39,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend an attention_backend setting means on device: "auto" is "triton" on CUDA and
+    "torch" elsewhere; "torch" and "triton" stand for themselves."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
 
 
 @dataclass(slots=True)
@@ -49,6 +59,10 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one forward; longer prompts are prefilled in chunks.
     kv_cache_memory: bytes for the KV pool (default 256 MiB on CPU; on GPU it overrides
         gpu_memory_utilization).
+    attention_backend: "auto" (default: "triton" on CUDA, "torch" elsewhere), "torch" (the
+        reference) or "triton" (CUDA, or TRITON_INTERPRET=1).
+    enforce_eager: never use CUDA graphs (vLLM's flag). Otherwise decode, verification and draft
+        steps replay CUDA graphs when the device is CUDA and the attention backend is Triton.
     """
 
     model: str
@@ -67,7 +81,8 @@ class EngineConfig:
     speculative_config: Any = None  # SpeculativeConfig | dict | JSON str | None
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed benchmarks)
     skip_tokenizer_init: bool = False  # token ids in and out only (no text, chat or reasoning split)
-    attention_backend: str = "torch"  # "torch" (reference) | "triton" (CUDA, or TRITON_INTERPRET=1)
+    attention_backend: str = "auto"  # "auto" | "torch" (reference) | "triton" (CUDA, or TRITON_INTERPRET=1)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -120,6 +135,8 @@ class EngineConfig:
                 f"attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1), "
                 f"got device={self.device!r}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 
 
 def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
@@ -168,22 +185,12 @@ class LLMEngine:
             )
         self.model_len = model_len = config.max_model_len or info.max_position_embeddings
 
-        kv_bytes = determine_kv_cache_memory(
-            self.model,
-            device=self.device,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory=config.kv_cache_memory,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=model_len,
-            max_num_seqs=config.max_num_seqs,
-            vocab_size=info.vocab_size,
-        )
         self.bytes_per_block = kv_cache_bytes_per_block(
             info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
         spec = config.speculative_config
         self.draft_model = self.draft_info = None
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method == "draft_model":  # loaded before sizing: its weights count
             assert spec.model is not None
             self.draft_model, self.draft_info = load_model(
                 spec.model, info.dtype, self.device, config.load_format
@@ -194,6 +201,44 @@ class LLMEngine:
             self.bytes_per_block += kv_cache_bytes_per_block(
                 d.num_layers, config.block_size, d.num_kv_heads, d.head_dim, d.dtype
             )
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if self.attention_backend == "triton":  # the profile run (no pool yet) falls back to torch
+            from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+            backend = TritonAttentionBackend()
+            for model in (self.model, self.draft_model):
+                for layer in attention_layers(model) if model is not None else []:
+                    layer.backend = backend
+        self.use_cuda_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton"
+        )
+        # Query widths: target decode 1, verify windows 1 + drafts (<= k+1); the draft's catch-up
+        # forward 1 or 2 and its per-token steps 1.
+        self._lookahead = lookahead = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        self._target_widths = (1,) if not lookahead else tuple(sorted({1, 2, lookahead + 1}))
+        self._draft_widths = (1, 2)
+        self.graph_memory_bytes = 0
+        if self.use_cuda_graphs and config.kv_cache_memory is None:
+            # In the order the runners first capture: a speculative step runs the draft first.
+            probe = [(self.model, info, self._graph_spec(self._target_widths, model_len, None))]
+            if self.draft_model is not None:
+                draft_spec = self._graph_spec(self._draft_widths, model_len, None)
+                probe.insert(0, (self.draft_model, self.draft_info, draft_spec))
+            self.graph_memory_bytes = measure_cuda_graph_memory(
+                probe, block_size=config.block_size, device=self.device
+            )
+
+        kv_bytes = determine_kv_cache_memory(
+            self.model,
+            device=self.device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory=config.kv_cache_memory,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=model_len,
+            max_num_seqs=config.max_num_seqs,
+            vocab_size=info.vocab_size,
+            reserved_bytes=self.graph_memory_bytes,
+        )
         num_blocks = kv_bytes // self.bytes_per_block
         # More blocks than every running sequence at full length twice over only feed the prefix
         # cache, and the host bookkeeping grows with them (tiny models on big GPUs).
@@ -215,8 +260,14 @@ class LLMEngine:
                 config.max_model_len, self.kv_capacity_tokens,
             )  # fmt: skip
 
+        pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None  # shared by all graphs
         self.model_runner = ModelRunner.for_model(
-            self.model, info, num_blocks=num_blocks, block_size=config.block_size, device=self.device
+            self.model,
+            info,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=self.device,
+            graphs=self._graph_spec(self._target_widths, self.max_model_len, pool),
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -247,6 +298,7 @@ class LLMEngine:
                     num_blocks=num_blocks,
                     block_size=config.block_size,
                     device=self.device,
+                    graphs=self._graph_spec(self._draft_widths, self.max_model_len, pool),
                 )
             self.speculator = Speculator(
                 spec,
@@ -258,20 +310,28 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 seed=config.seed,
             )
-        if config.attention_backend == "triton":  # after the pools exist: the profiling run used torch
-            from thinkspec.layers.attention_triton import TritonAttentionBackend
-
-            backend = TritonAttentionBackend()
-            for model in (self.model, self.draft_model):
-                for layer in attention_layers(model) if model is not None else []:
-                    layer.backend = backend
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         logger.info(
-            "engine ready: %s (%s, %s) on %s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            "engine ready: %s (%s, %s) on %s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d; "
+            "attention %s, CUDA graphs %s",
             info.architecture, info.path.name, str(info.dtype).removeprefix("torch."), self.device,
             num_blocks, config.block_size, num_blocks * self.bytes_per_block / 2**20, self.max_model_len,
+            self.attention_backend, "on" if self.use_cuda_graphs else "off",
         )  # fmt: skip
+
+    def _graph_spec(self, widths: tuple[int, ...], max_model_len: int, pool: object) -> GraphSpec | None:
+        """What a runner captures (None: no graphs): widths x buckets up to max_num_seqs, block tables
+        wide enough for max_model_len plus the speculative lookahead slots."""
+        if not self.use_cuda_graphs:
+            return None
+        return GraphSpec(
+            query_widths=widths,
+            batch_sizes=graph_batch_sizes(self.config.max_num_seqs),
+            max_model_len=max_model_len,
+            max_blocks_per_seq=-(-(max_model_len + self._lookahead) // self.config.block_size),
+            pool=pool,
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 

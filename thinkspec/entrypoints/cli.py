@@ -82,6 +82,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         '"num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
         '"relax_top_k": 3}\'',
     )
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["auto", "torch", "triton"],
+        help="attention kernels: triton (CUDA), torch (the reference); auto = triton on CUDA, else torch",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="never use CUDA graphs (by default decode, verify and draft steps replay them on CUDA)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,6 +114,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed",
         "reasoning_parser",
         "speculative_config",
+        "attention_backend",
+        "enforce_eager",
     ]
     kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     kwargs["model"] = resolve_model_path(args.model)
