@@ -31,28 +31,13 @@ from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, c
 # that B*(K+1) rows x V/TILE tiles fill every SM several times over.
 MAX_TILE = 8192
 NUM_WARPS = 8
-# The stats pass streams chunks of a row per program (see _stats_split).
-STATS_TILE = 2048
-STATS_UNROLL = 1
-STATS_WARPS = 8
-PROGRAMS_PER_SM = 8
+# The stats pass streams chunks of a row per program (see _stats_split). Chosen by
+# benchmarks/tune_acceptance.py on an H200: small tiles and many programs keep the most loads in
+# flight (2-4 tile loads per loop step did not help); see docs/BENCHMARKS.md.
+STATS_TILE = 256
+STATS_WARPS = 4
+PROGRAMS_PER_SM = 32
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
-
-
-@triton.jit
-def _stats_update(x, offs, acc_m, acc_i, acc_c, acc_s, xd, temp, need_sum):
-    # One tile into the per-lane running max / first index / count above x[d] (/ online sum-exp).
-    x = x.to(tl.float32)
-    if temp != 0.0:
-        # IEEE division (plain `/` is approximate on GPU), so x matches the reference bit for bit.
-        x = tl.math.div_rn(x, temp)
-    acc_i = tl.where(x > acc_m, offs, acc_i)  # strict: a lane keeps its first maximum
-    new_m = tl.maximum(acc_m, x)
-    if need_sum:
-        safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-        acc_s = acc_s * tl.exp(acc_m - safe) + tl.exp(x - safe)
-    acc_c += (x > xd).to(tl.int32)
-    return new_m, acc_i, acc_c, acc_s
 
 
 @triton.jit
@@ -70,9 +55,8 @@ def _row_stats_kernel(
     V,
     K,
     NC,
-    CHUNK,  # vocabulary entries per program, a multiple of TILE * UNROLL
+    CHUNK,  # vocabulary entries per program, a multiple of TILE
     TILE: tl.constexpr,
-    UNROLL: tl.constexpr,  # 1, 2 or 4 tiles loaded per loop step
 ):
     # One program streams one chunk of one row in TILE-wide steps, keeping per-lane running
     # max / first index / count (/ online sum-exp) in registers, and reduces across lanes once.
@@ -101,25 +85,18 @@ def _row_stats_kernel(
     acc_s = tl.zeros([TILE], tl.float32)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    for t in range(start, end, TILE * UNROLL):
-        # All UNROLL loads are issued before the first is used: more bytes in flight per thread
-        # without more accumulator registers (bf16 rows are latency-bound otherwise).
-        o0 = t + lanes
-        x0 = tl.load(base + o0, mask=o0 < end, other=float("-inf"))
-        if UNROLL >= 2:
-            o1 = o0 + TILE
-            x1 = tl.load(base + o1, mask=o1 < end, other=float("-inf"))
-        if UNROLL >= 4:
-            o2 = o0 + 2 * TILE
-            o3 = o0 + 3 * TILE
-            x2 = tl.load(base + o2, mask=o2 < end, other=float("-inf"))
-            x3 = tl.load(base + o3, mask=o3 < end, other=float("-inf"))
-        acc_m, acc_i, acc_c, acc_s = _stats_update(x0, o0, acc_m, acc_i, acc_c, acc_s, xd, temp, need_sum)
-        if UNROLL >= 2:
-            acc_m, acc_i, acc_c, acc_s = _stats_update(x1, o1, acc_m, acc_i, acc_c, acc_s, xd, temp, need_sum)
-        if UNROLL >= 4:
-            acc_m, acc_i, acc_c, acc_s = _stats_update(x2, o2, acc_m, acc_i, acc_c, acc_s, xd, temp, need_sum)
-            acc_m, acc_i, acc_c, acc_s = _stats_update(x3, o3, acc_m, acc_i, acc_c, acc_s, xd, temp, need_sum)
+    for t in range(start, end, TILE):
+        offs = t + lanes
+        x = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        if temp != 0.0:
+            x = tl.math.div_rn(x, temp)
+        acc_i = tl.where(x > acc_m, offs, acc_i)  # strict: a lane keeps its first maximum
+        new_m = tl.maximum(acc_m, x)
+        if need_sum:
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+            acc_s = acc_s * tl.exp(acc_m - safe) + tl.exp(x - safe)
+        acc_m = new_m
+        acc_c += (x > xd).to(tl.int32)
 
     m = tl.max(acc_m, 0)
     idx = tl.min(tl.where(acc_m == m, acc_i, _INT32_MAX), 0)
@@ -331,10 +308,9 @@ def _stats_split(rows: int, v: int, device: torch.device) -> tuple[int, int, int
     """(tile, chunks per row, chunk length) for the stats pass: enough programs to fill the GPU a
     few times over, each streaming a long chunk; fixed by the shape, so graph capture holds."""
     tile = min(STATS_TILE, max(16, triton.next_power_of_2(v)))
-    step = tile * STATS_UNROLL
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    nc = min(triton.cdiv(v, step), max(1, triton.cdiv(PROGRAMS_PER_SM * sms, rows)))
-    chunk = triton.cdiv(triton.cdiv(v, nc), step) * step
+    nc = min(triton.cdiv(v, tile), max(1, triton.cdiv(PROGRAMS_PER_SM * sms, rows)))
+    chunk = triton.cdiv(triton.cdiv(v, nc), tile) * tile
     return tile, triton.cdiv(v, chunk), chunk
 
 
@@ -411,7 +387,7 @@ def rejection_sample_triton(
 
     _row_stats_kernel[(rows, nc)](
         logits, s_b, s_r, drafts, temp, delta, pmax, pidx, pcnt, psum, v, k, nc, chunk,
-        TILE=stats_tile, UNROLL=STATS_UNROLL, num_warps=STATS_WARPS,
+        TILE=stats_tile, num_warps=STATS_WARPS,
     )  # fmt: skip
     _accept_kernel[(b,)](
         logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
