@@ -290,8 +290,14 @@ class CUDAGraphCache:
             self._forward(key)  # warm-up: compiles kernels, sizes the logits buffer
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(key)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._forward(key)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"CUDA graph capture of batch {bucket} x {q} tokens failed: {e}; "
+                    "enforce_eager=True (--enforce-eager) runs without graphs"
+                ) from e
             torch.cuda.synchronize(self.device)
         self.graphs[key] = graph
         logger.info(

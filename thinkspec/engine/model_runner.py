@@ -144,9 +144,10 @@ def measure_cuda_graph_memory(
 ) -> int:
     """Bytes of device memory the CUDA graphs of these models take (see the module docstring).
 
-    Each (model, info, spec) gets a throw-away runner with a one-block KV pool that captures the
-    graphs its real runner captures first (spec.first_keys()), all into one fresh graph pool;
-    the growth of torch.cuda.memory_reserved over that is the answer. Everything is freed again
+    Each (model, info, spec), in the order given (the order the engine's runners first capture),
+    gets a throw-away runner with a one-block KV pool that captures the graphs its real runner
+    captures first (spec.first_keys()), all into one fresh graph pool; the growth of
+    torch.cuda.memory_reserved over that is the answer. Everything is freed again
     before returning; the Triton kernels stay compiled. The models' attention layers must already
     use the backend the engine will run (graphs need the Triton one).
     """
