@@ -47,8 +47,10 @@ def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
 
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-    return model
+    # Built on the device: random init of 8B parameters on the host takes minutes.
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
 
 
 def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device: torch.device) -> float:

@@ -11,6 +11,7 @@
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
 #               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
+#   sweep       the toy reasoner sweep of docs/SWEEP.md (SWEEP_DIR, resumable; copied to $OUT/sweep)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
@@ -93,9 +94,27 @@ if has toy; then
   note "toy: exit ${PIPESTATUS[0]}"
 fi
 
+if has sweep; then
+  dir=${SWEEP_DIR:-docs/sweep-toy-h200}
+  timeout "${SWEEP_TIMEOUT:-400}" $PY -m thinkspec.entrypoints.cli sweep toy-reasoner --device cuda \
+    --num-prompts "${SWEEP_N:-500}" --max-tokens 512 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+    --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3}" \
+    --relax-top-ks "${SWEEP_TOPKS:-8}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
+    --output-dir "$dir" --resume 2>&1 | grep -v 'it/s]' >"$OUT/sweep.log"
+  note "sweep: exit ${PIPESTATUS[0]}"
+  mkdir -p "$OUT/sweep" && cp "$dir"/* "$OUT/sweep/" 2>/dev/null
+fi
+
+# At most 8 files come back: logs travel as one archive.
+logs=("$OUT"/*.log)
+if [ -e "${logs[0]}" ]; then
+  tar -C "$OUT" -cf "$OUT/logs.tar" $(cd "$OUT" && ls *.log) && keep_logs=("${logs[@]}")
+fi
+
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round throughput acceptance toy_quality; do
+for f in spec_round throughput acceptance toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
+[ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"
