@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--tiles", default="128,256,512,1024")
+    ap.add_argument("--tiles", default="256,512,1024,2048")
+    ap.add_argument("--vecs", default="1,2,4,8", help="entries per lane and step (STATS_VEC)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--programs-per-sm", default="16,32")
     ap.add_argument("--replays", type=int, default=40)
@@ -114,23 +115,23 @@ def main() -> None:
             )
             floor = nbytes / bw * 1e6
             ref = None
-            for tile, warps, pps in itertools.product(
-                map(int, args.tiles.split(",")), map(int, args.warps.split(",")),
-                map(int, args.programs_per_sm.split(",")),
+            for tile, vec, warps, pps in itertools.product(
+                map(int, args.tiles.split(",")), map(int, args.vecs.split(",")),
+                map(int, args.warps.split(",")), map(int, args.programs_per_sm.split(",")),
             ):  # fmt: skip
-                rt.STATS_TILE, rt.STATS_WARPS, rt.PROGRAMS_PER_SM = tile, warps, pps
+                rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.PROGRAMS_PER_SM = tile, vec, warps, pps
                 try:
                     res = rt.rejection_sample_triton(*bufs[0], **common, all_greedy=True)
                     torch.cuda.synchronize()
                 except Exception as e:  # a launch shape the compiler refuses: record and go on
-                    cfg = dict(dtype=dt, rows=rows, tile=tile, warps=warps, pps=pps)
+                    cfg = dict(dtype=dt, rows=rows, tile=tile, vec=vec, warps=warps, pps=pps)
                     results.append({**cfg, "error": str(e)[:200]})
                     continue
                 out = (res.num_accepted.clone(), res.output_token_ids.clone())
                 if ref is None:
                     ref = out
                 elif not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
-                    raise RuntimeError(f"tile={tile} w={warps} pps={pps} changed the result")
+                    raise RuntimeError(f"tile={tile} vec={vec} w={warps} pps={pps} changed the result")
                 fns = [lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
                        for lg, d in bufs]  # fmt: skip
                 graphs = [_graph(fn) for fn in fns]
@@ -141,6 +142,7 @@ def main() -> None:
                     dtype=dt,
                     rows=rows,
                     tile=tile,
+                    vec=vec,
                     warps=warps,
                     pps=pps,
                     nc=nc,
@@ -172,7 +174,7 @@ def main() -> None:
             for key in ("b2b_x", "flushed_x"):
                 top = sorted(case, key=lambda r: r[key])[:3]
                 best = "; ".join(
-                    f"tile {r['tile']} w{r['warps']} pps {r['pps']}: "
+                    f"tile {r['tile']} v{r['vec']} w{r['warps']} pps {r['pps']}: "
                     f"b2b {r['b2b_x']:.2f}x flushed {r['flushed_x']:.2f}x"
                     for r in top
                 )

@@ -89,12 +89,13 @@ def _check_structure(res, kw):
 # ---------------------------------------------------------------- interpreter (CPU) cases
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
+@pytest.fixture(params=[1, 4], ids=["vec1", "vec4"])
+def small_tiles(monkeypatch, request):
     # Tiny tiles so small vocabularies still span several tiles per row, and several chunks of
-    # several tiles each in the streamed stats pass.
+    # several tiles each in the streamed stats pass; each case with 1 and 4 entries per lane.
     monkeypatch.setattr(rt, "MAX_TILE", 8)
     monkeypatch.setattr(rt, "STATS_TILE", 8)
+    monkeypatch.setattr(rt, "STATS_VEC", request.param)
     monkeypatch.setattr(rt, "PROGRAMS_PER_SM", 8)
 
 

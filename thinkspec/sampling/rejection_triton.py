@@ -35,6 +35,7 @@ NUM_WARPS = 8
 # benchmarks/tune_acceptance.py on an H200: small tiles and many programs keep the most loads in
 # flight (2-4 tile loads per loop step did not help); see docs/BENCHMARKS.md.
 STATS_TILE = 256
+STATS_VEC = 1
 STATS_WARPS = 4
 PROGRAMS_PER_SM = 32
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
@@ -57,6 +58,7 @@ def _row_stats_kernel(
     NC,
     CHUNK,  # vocabulary entries per program, a multiple of TILE
     TILE: tl.constexpr,
+    VEC: tl.constexpr,  # neighbouring entries per lane and step (a power of two dividing TILE)
 ):
     # One program streams one chunk of one row in TILE-wide steps, keeping per-lane running
     # max / first index / count (/ online sum-exp) in registers, and reduces across lanes once.
@@ -78,25 +80,30 @@ def _row_stats_kernel(
     xd = tl.where(has_draft, xd, float("inf"))
     need_sum = (temp != 0.0) | (delta == delta)
 
-    lanes = tl.arange(0, TILE)
-    acc_m = tl.full([TILE], float("-inf"), tl.float32)
-    acc_i = tl.full([TILE], _INT32_MAX, tl.int32)
-    acc_c = tl.zeros([TILE], tl.int32)
-    acc_s = tl.zeros([TILE], tl.float32)
+    # A tile is [LANES, VEC]: each lane reads VEC neighbours (one vector load), folds them in
+    # registers, then updates its running stats, so the running state is LANES wide, not TILE.
+    LANES: tl.constexpr = TILE // VEC
+    offs2 = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [LANES, VEC]
+    acc_m = tl.full([LANES], float("-inf"), tl.float32)
+    acc_i = tl.full([LANES], _INT32_MAX, tl.int32)
+    acc_c = tl.zeros([LANES], tl.int32)
+    acc_s = tl.zeros([LANES], tl.float32)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
     for t in range(start, end, TILE):
-        offs = t + lanes
+        offs = t + offs2
         x = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
         if temp != 0.0:
             x = tl.math.div_rn(x, temp)
-        acc_i = tl.where(x > acc_m, offs, acc_i)  # strict: a lane keeps its first maximum
-        new_m = tl.maximum(acc_m, x)
+        m_v = tl.max(x, 1)  # [LANES]
+        i_v = tl.min(tl.where(x == m_v[:, None], offs, _INT32_MAX), 1)  # lowest index of the max
+        acc_i = tl.where(m_v > acc_m, i_v, acc_i)  # strict: a lane keeps its first maximum
+        new_m = tl.maximum(acc_m, m_v)
         if need_sum:
             safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            acc_s = acc_s * tl.exp(acc_m - safe) + tl.exp(x - safe)
+            acc_s = acc_s * tl.exp(acc_m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
         acc_m = new_m
-        acc_c += (x > xd).to(tl.int32)
+        acc_c += tl.sum((x > xd).to(tl.int32), 1)
 
     m = tl.max(acc_m, 0)
     idx = tl.min(tl.where(acc_m == m, acc_i, _INT32_MAX), 0)
@@ -387,7 +394,7 @@ def rejection_sample_triton(
 
     _row_stats_kernel[(rows, nc)](
         logits, s_b, s_r, drafts, temp, delta, pmax, pidx, pcnt, psum, v, k, nc, chunk,
-        TILE=stats_tile, num_warps=STATS_WARPS,
+        TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), num_warps=STATS_WARPS,
     )  # fmt: skip
     _accept_kernel[(b,)](
         logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
