@@ -1,8 +1,10 @@
 """One speculative round against its parts: k draft steps plus one verify step, measured side by side.
 
 Qwen3-8B-shaped target and Qwen3-0.6B-shaped draft with random ("dummy") bf16 weights, synthetic
-acceptance (each draft accepted with probability --rate), greedy, at several batch sizes. For each
-batch size it reports, from the same sequences at the same context length:
+acceptance (each draft accepted with probability --rate), greedy, at several batch sizes; on CUDA
+the runners are set up as the engine sets them up (Triton attention, CUDA graphs for decode, verify
+and draft steps; --enforce-eager: no graphs). For each batch size it reports, from the same
+sequences at the same context length:
   round_ms          Speculator.step for the whole batch (propose + verify + accept, one host copy)
   draft_step_ms     one single-token draft forward over the batch
   verify_ms         one target forward scoring k+1 positions per sequence
@@ -30,7 +32,8 @@ import torch
 
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.model_runner import ModelRunner
+from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
+from thinkspec.engine.model_runner import ModelRunner, attention_layers
 from thinkspec.engine.scheduler import SchedulerOutput
 from thinkspec.engine.sequence import Sequence
 from thinkspec.models.loader import load_model
@@ -74,6 +77,18 @@ def write_config(folder: Path, shape: dict, vocab_size: int) -> Path:
     return folder
 
 
+def use_triton_kernels(*models: torch.nn.Module) -> None:
+    """The engine's CUDA setup: Triton paged attention (and fused small ops where the model has them)."""
+    from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    for model in models:
+        for layer in attention_layers(model):
+            layer.backend = backend
+        if hasattr(model, "set_fused_kernels"):
+            model.set_fused_kernels(True)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,9 +121,18 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
     k, block = args.k, 16
     total_tokens = args.prompt_len + (args.rounds + args.warmup + 4) * (k + 1) + k
     num_blocks = batch * math.ceil(total_tokens / block)
+    graphs: list[GraphSpec | None] = [None, None]
+    if device.type == "cuda" and not args.enforce_eager:  # as the engine runs them (engine.py)
+        pool = torch.cuda.graph_pool_handle()
+        buckets = graph_batch_sizes(batch)
+        blocks = -(-(total_tokens + k) // block)
+        graphs = [
+            GraphSpec(tuple(sorted({1, 2, k + 1})), buckets, total_tokens + k, blocks, pool),
+            GraphSpec((1, 2), buckets, total_tokens + k, blocks, pool),
+        ]
     runners = [
-        ModelRunner.for_model(m, i, num_blocks=num_blocks, block_size=block, device=device)
-        for m, i in ((target, tinfo), (draft, dinfo))
+        ModelRunner.for_model(m, i, num_blocks=num_blocks, block_size=block, device=device, graphs=g)
+        for (m, i), g in zip(((target, tinfo), (draft, dinfo)), graphs)
     ]
     bm = BlockManager(num_blocks, block, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(batch)
@@ -161,6 +185,8 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
     round_ms = statistics.median(round_times)
     parts_ms = k * draft_ms + verify_ms
     tokens_per_round = emitted / (args.rounds * batch)
+    for r in runners:
+        r.release()
     del runners, spec
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -192,6 +218,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as LLM(enforce_eager=True))")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -202,6 +229,8 @@ def main() -> None:
         ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
         target, tinfo = load_model(tdir, dtype, device, load_format="dummy")
         draft, dinfo = load_model(ddir, dtype, device, load_format="dummy")
+        if device.type == "cuda":
+            use_triton_kernels(target, draft)
         batches = [int(b) for b in args.batch_sizes.split(",")]
         rows = [run_batch(args, target, tinfo, draft, dinfo, ddir, b, device) for b in batches]
     result = {
@@ -209,7 +238,8 @@ def main() -> None:
         "target": "Qwen3-8B shape" if not args.small else "small",
         "draft": "Qwen3-0.6B shape" if not args.small else "small",
         "dtype": dtype,
-        "attention_backend": "torch reference",
+        "attention_backend": "triton" if device.type == "cuda" else "torch reference",
+        "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
         "rows": rows,
     }
     if args.out:
