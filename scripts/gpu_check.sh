@@ -6,6 +6,7 @@
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
+#   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
@@ -16,7 +17,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_check}
-STAGES=${STAGES:-"tests acceptance spec_round throughput toy"}
+STAGES=${STAGES:-"tests acceptance spec_round throughput graphs"}
 mkdir -p "$OUT"
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -46,6 +47,11 @@ if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-300}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
     2>&1 | tee "$OUT/throughput.log"
   note "throughput: exit ${PIPESTATUS[0]}"
+fi
+
+if has graphs; then
+  timeout "${GRAPHS_TIMEOUT:-240}" $PY benchmarks/bench_graphs.py --out "$OUT/graphs.json" >"$OUT/graphs.log" 2>&1
+  note "graphs: exit $? $(tail -n 1 "$OUT/graphs.log")"
 fi
 
 if has tune; then
