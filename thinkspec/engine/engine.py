@@ -60,7 +60,8 @@ class EngineConfig:
     kv_cache_memory: bytes for the KV pool (default 256 MiB on CPU; on GPU it overrides
         gpu_memory_utilization).
     attention_backend: "auto" (default: "triton" on CUDA, "torch" elsewhere), "torch" (the
-        reference) or "triton" (CUDA, or TRITON_INTERPRET=1).
+        reference) or "triton" (CUDA, or TRITON_INTERPRET=1); "triton" also runs the models' norms,
+        residual adds, rotary and SiLU * up as fused Triton kernels (layers/fused_triton.py).
     enforce_eager: never use CUDA graphs (vLLM's flag). Otherwise decode, verification and draft
         steps replay CUDA graphs when the device is CUDA and the attention backend is Triton.
     """
@@ -206,9 +207,10 @@ class LLMEngine:
             from thinkspec.layers.attention_triton import TritonAttentionBackend
 
             backend = TritonAttentionBackend()
-            for model in (self.model, self.draft_model):
-                for layer in attention_layers(model) if model is not None else []:
+            for model in (m for m in (self.model, self.draft_model) if m is not None):
+                for layer in attention_layers(model):
                     layer.backend = backend
+                model.set_fused_kernels(True)  # the fused norm / rotary / SiLU kernels go with it
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton"
         )

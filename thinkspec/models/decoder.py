@@ -4,6 +4,12 @@ The three architectures differ only in which projections carry a bias and whethe
 keys get a per-head RMSNorm; the subclasses in qwen3.py, qwen2.py and llama.py pick those.
 Input is a packed ragged batch: T tokens from any number of sequences, with the attention
 layout in the forward context.
+
+Two code paths compute the same values: the torch ops (the reference, and the CPU path) and fused
+Triton kernels (layers/fused_triton.py: residual add + RMSNorm, q/k norm + rotary, SiLU * up), chosen
+for the whole model by `DecoderForCausalLM.set_fused_kernels`; the engine turns the kernels on with
+the Triton attention backend. Layers pass (hidden, residual) along as vLLM does, so that each
+residual add happens inside the norm that follows it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,17 @@ from thinkspec.layers.linear import MergedLinear
 from thinkspec.layers.norm import RMSNorm
 from thinkspec.layers.rotary import RotaryEmbedding
 from thinkspec.models.config import DecoderConfig
+
+
+def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
+    """Run the norms, residual adds, q/k norm + rotary and SiLU * up of every decoder layer inside
+    `module` as fused Triton kernels (enabled; CUDA, or TRITON_INTERPRET=1) or as torch ops (the
+    default, any device). Both compute the same values (see fused_triton.py)."""
+    if enabled:
+        import thinkspec.layers.fused_triton  # noqa: F401 (fail here, not mid-forward, without triton)
+    for m in module.modules():
+        if isinstance(m, (RMSNorm, DecoderAttention, DecoderMLP)):
+            m.fused = enabled
 
 
 class DecoderAttention(nn.Module):
@@ -36,6 +53,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.fused = False  # True: q/k norm + rotary in one Triton kernel
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T] int64; x: [T, hidden] -> [T, hidden]
@@ -43,9 +61,19 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        if self.fused:
+            from thinkspec.layers.fused_triton import qk_norm_rope
+
+            norm = self.q_norm is not None
+            q, k = qk_norm_rope(
+                positions, q, k, self.rotary[0].cos_sin_cache,
+                self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                self.q_norm.eps if norm else 0.0,
+            )  # fmt: skip
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary[0](positions, q, k)
         o = self.attn(q, k, v)  # [T, Hq, D]
         return self.o_proj(o.flatten(1))
 
@@ -56,10 +84,16 @@ class DecoderMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=bias)
+        self.fused = False  # True: SiLU(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.fused:
+            from thinkspec.layers.fused_triton import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -80,10 +114,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DecoderMLP(cfg, bias=mlp_bias)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [T] int64; x: [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int64; x: [T, hidden], the previous layer's MLP output (the embeddings for
+        # the first layer, where residual is None); residual: [T, hidden], the stream before x.
+        # Returns (this layer's MLP output, the stream before it); their sum is the layer's output.
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)  # residual = x + residual, x = norm(that)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -100,10 +143,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class DecoderForCausalLM(nn.Module):
@@ -127,6 +171,10 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(cfg, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, mlp_bias=mlp_bias)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Fused Triton kernels (True) or torch ops (False, the default) for the whole model."""
+        set_fused_kernels(self, enabled)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

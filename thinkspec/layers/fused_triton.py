@@ -1,0 +1,295 @@
+"""Fused Triton kernels for the decoder's small element-wise ops, one launch each:
+
+  rms_norm        RMSNorm, optionally fused with the residual add before it (vLLM's fused_add_rms_norm)
+  qk_norm_rope    per-head RMSNorm of q and k (Qwen3's q_norm/k_norm, optional) + neox rotary, q and k
+                  in one launch, cos/sin gathered by position inside the kernel
+  silu_and_mul    SiLU(gate) * up from the merged gate_up projection
+
+Each one computes what the torch code path computes (RMSNorm.forward in norm.py, RotaryEmbedding in
+rotary.py, `F.silu(gate) * up` in decoder.py), with the same rounding order: statistics in float32,
+every intermediate the torch path stores in the model dtype rounded to it at the same point (a bf16
+product of two bf16 values is exact in float32, so rounding it once reproduces the torch op). What
+can differ is the order of the float32 sum in the mean of squares (and rsqrt/exp to an ulp), so
+float32 results agree to a few ulps and bf16 results to one bf16 rounding. Kernels are compiled with
+`enable_fp_fusion=False` so that a*b - c*d is not contracted into an FMA the torch path does not use.
+
+Grids depend only on tensor shapes (host ints) and no device value is read on the host, so every
+wrapper is CUDA-graph capturable. T = 0 launches nothing. On CPU they run under TRITON_INTERPRET=1
+(tests only); the torch path is the reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_COMPILE = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, N], last dim contiguous
+    stride_x,
+    res_ptr,  # [T, N] residual in (HAS_RESIDUAL), last dim contiguous
+    stride_res,
+    out_ptr,  # [T, N] normed out
+    stride_out,
+    res_out_ptr,  # [T, N] x + residual out (HAS_RESIDUAL)
+    stride_res_out,
+    w_ptr,  # [N]
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # `x + residual`
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)  # `x.to(dtype)`
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = w.to(tl.float32) * y.to(tl.float32)  # `self.weight * x`, rounded once below
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, as RMSNorm.forward, optionally after the residual add.
+
+    x: [..., N] (rows may be strided, the last dim contiguous); weight: [N]; residual: None or the
+    same shape as x. Without a residual returns normed [..., N]; with one returns (normed, x +
+    residual), the sum in torch's promoted dtype of x and residual (the model dtype), and normed =
+    weight * (s.float() * rsqrt(mean(s.float()**2) + eps)).to(s.dtype) with s the sum (or x), in the
+    promoted dtype of weight and s. New contiguous tensors; the inputs are not written.
+    """
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {n}")
+    x2 = x.reshape(-1, n)
+    if residual is None:
+        res2, res_out = x2, x2  # unused by the kernel
+        s_dtype = x.dtype
+    else:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        res2 = residual.reshape(-1, n)
+        s_dtype = torch.promote_types(x.dtype, residual.dtype)
+        res_out = torch.empty(x2.shape, dtype=s_dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, s_dtype), device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        if x2.stride(-1) != 1 or res2.stride(-1) != 1 or weight.stride(0) != 1:
+            raise ValueError("rms_norm needs the last dim of x, residual and weight contiguous")
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x2, x2.stride(0), res2, res2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
+            weight, n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+            **_COMPILE,
+        )  # fmt: skip
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_ptr,  # [T, H, D] input (q or k), last dim contiguous
+    stride_xt,
+    stride_xh,
+    o_ptr,  # [T, H, D] output
+    stride_ot,
+    stride_oh,
+    w_ptr,  # [D] norm weight (HAS_NORM)
+    t,  # token (int64)
+    h0,  # first head of this program
+    num_heads,
+    cos,  # [1, BLOCK_HALF] float32
+    sin,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = h0 + tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (j < HALF)
+    src = x_ptr + t * stride_xt + h * stride_xh + j
+    x1 = tl.load(src, mask=mask, other=0.0)  # [BLOCK_H, BLOCK_HALF] first half of each head
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    o_ty = o_ptr.dtype.element_ty
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    if HAS_NORM:  # RMSNorm over the head: fp32 stats, `.to(dtype)`, then `weight * x` rounded to o_ty
+        var = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / HEAD_DIM
+        rstd = tl.math.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        a1 = (w1 * (a1 * rstd).to(x1.dtype).to(tl.float32)).to(o_ty).to(tl.float32)
+        a2 = (w2 * (a2 * rstd).to(x2.dtype).to(tl.float32)).to(o_ty).to(tl.float32)
+    # rotate half: cat(x1*cos - x2*sin, x2*cos + x1*sin), each product and sum rounded to o_ty
+    c = cos.to(o_ty).to(tl.float32)
+    s = sin.to(o_ty).to(tl.float32)
+    o1 = (a1 * c).to(o_ty).to(tl.float32) - (a2 * s).to(o_ty).to(tl.float32)
+    o2 = (a2 * c).to(o_ty).to(tl.float32) + (a1 * s).to(o_ty).to(tl.float32)
+    dst = o_ptr + t * stride_ot + h * stride_oh + j
+    tl.store(dst, o1.to(o_ty), mask=mask)
+    tl.store(dst + HALF, o2.to(o_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,  # [T, Hq, D], last dim contiguous
+    stride_qt,
+    stride_qh,
+    k_ptr,  # [T, Hkv, D], last dim contiguous
+    stride_kt,
+    stride_kh,
+    q_out_ptr,  # [T, Hq, D]
+    stride_qot,
+    stride_qoh,
+    k_out_ptr,  # [T, Hkv, D]
+    stride_kot,
+    stride_koh,
+    q_w_ptr,  # [D] (HAS_NORM)
+    k_w_ptr,  # [D] (HAS_NORM)
+    pos_ptr,  # [T] int64
+    cache_ptr,  # [max_positions, 2, D/2] float32: cos then sin
+    stride_cp,
+    stride_cs,
+    num_q_heads,
+    num_kv_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # grid (T, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): one token x BLOCK_H heads of q, then of k
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < HEAD_DIM // 2
+    cos = tl.load(cache_ptr + pos * stride_cp + j, mask=j_ok, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cp + stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if g < q_blocks:
+        _norm_rope_heads(
+            q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr, t, g * BLOCK_H,
+            num_q_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+        )  # fmt: skip
+    else:
+        _norm_rope_heads(
+            k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr, t,
+            (g - q_blocks) * BLOCK_H, num_kv_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+        )  # fmt: skip
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (when q_weight/k_weight are given) then neox rotary, on q and k in one launch.
+
+    positions: [T] int64, each < max_positions; q: [T, Hq, D], k: [T, Hkv, D], each with its last dim
+    contiguous (views into the merged qkv output are fine); cos_sin_cache: [max_positions, 2, D/2]
+    float32 (RotaryEmbedding.cos_sin_cache: cos then sin); q_weight, k_weight: [D] or both None.
+    Returns new contiguous (q, k) [T, H, D], equal to `rotary(positions, q_norm(q), k_norm(k))`:
+    dtype q's (promoted with the norm weight's when normed).
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if k.shape != (t, hkv, d) or positions.shape != (t,):
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree"
+        )
+    if d % 2 or cos_sin_cache.shape[1:] != (2, d // 2):
+        raise ValueError(f"cos_sin_cache {tuple(cos_sin_cache.shape)} does not fit head_dim {d}")
+    has_norm = q_weight is not None
+    if has_norm != (k_weight is not None):
+        raise ValueError("pass both q_weight and k_weight, or neither")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k dtypes differ: {q.dtype}, {k.dtype}")
+    out_dtype = q.dtype
+    if has_norm:
+        if q_weight.shape != (d,) or k_weight.shape != (d,) or q_weight.dtype != k_weight.dtype:
+            raise ValueError(f"q/k norm weights must both be [{d}] of one dtype")
+        out_dtype = torch.promote_types(q_weight.dtype, q.dtype)
+    q_out = torch.empty((t, hq, d), dtype=out_dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=out_dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("qk_norm_rope needs the last dim of q, k and cos_sin_cache contiguous")
+    block_h = 1 if t < 64 else 4  # small steps: one head per program, for more programs
+    block_half = triton.next_power_of_2(d // 2)
+    w_q = q_weight if has_norm else q  # unused pointers when there is no norm
+    w_k = k_weight if has_norm else k
+    grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    _qk_norm_rope_kernel[grid](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1),
+        q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
+        w_q, w_k, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        hq, hkv, eps,
+        HAS_NORM=has_norm, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2*I]: gate then up, last dim contiguous
+    stride_x,
+    out_ptr,  # [T, I]
+    stride_out,
+    n_cols,  # I
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded to the model dtype
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from the merged gate_up output.
+
+    x: [T, 2*I] (gate in the first I columns, up in the last I; rows may be strided, the last dim
+    contiguous) -> new contiguous [T, I] of x's dtype, equal to `F.silu(gate) * up`.
+    """
+    rows, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"gate_up width {two_i} is odd")
+    n = two_i // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    if x.stride(-1) != 1:
+        raise ValueError("silu_and_mul needs the last dim of x contiguous")
+    block = min(triton.next_power_of_2(n), 1024)
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+        x, x.stride(0), out, out.stride(0), n, BLOCK=block, num_warps=4, **_COMPILE
+    )
+    return out
