@@ -31,14 +31,44 @@ from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, c
 # that B*(K+1) rows x V/TILE tiles fill every SM several times over.
 MAX_TILE = 8192
 NUM_WARPS = 8
-# The stats pass streams chunks of a row per program (see _stats_split). Chosen by
-# benchmarks/tune_acceptance.py on an H200: small tiles and many programs keep the most loads in
-# flight (2-4 tile loads per loop step did not help); see docs/BENCHMARKS.md.
-STATS_TILE = 256
-STATS_VEC = 1
+# The stats pass streams chunks of a row per program (see _stats_split). Each lane reads VEC
+# neighbours per step (16-byte loads for bf16 at VEC 8). The bf16 pass is bound by instruction
+# issue, so the shape follows benchmarks/kernel_loop_cost.py (sm_90 code: 2.4 instructions per
+# entry on strict greedy rows, 7.4 on relaxable ones, against 12 for the earlier loop that tracked
+# indices per entry); benchmarks/tune_acceptance.py times the alternatives (docs/BENCHMARKS.md).
+STATS_TILE = 2048
+STATS_VEC = 8
 STATS_WARPS = 4
 PROGRAMS_PER_SM = 32
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
+
+
+@triton.jit
+def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl.constexpr,
+                WITH_SUM: tl.constexpr, WITH_CNT: tl.constexpr):  # fmt: skip
+    # Streams x = logits[start:end] (/ temp when WITH_SUM) in [LANES, VEC] steps. Per lane: running
+    # max, the step offset that first reached it (-1: none yet), #{x > xd} and the online sum-exp.
+    acc_m = tl.full([LANES], float("-inf"), tl.float32)
+    acc_t = tl.full([LANES], -1, tl.int32)
+    acc_c = tl.zeros([LANES], tl.int32)
+    acc_s = tl.zeros([LANES], tl.float32)
+    for t in range(start, end, TILE):
+        offs = t + offs2
+        x = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        if WITH_SUM:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if temp != 0.0:
+                # IEEE division (plain `/` is approximate on GPU), so x matches the reference bit for bit.
+                x = tl.math.div_rn(x, temp)
+        m_v = tl.max(x, 1)  # [LANES]
+        acc_t = tl.where(m_v > acc_m, t, acc_t)  # strict: a lane keeps the first step with its max
+        new_m = tl.maximum(acc_m, m_v)
+        if WITH_SUM:
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+            acc_s = acc_s * tl.exp(acc_m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
+        acc_m = new_m
+        if WITH_CNT:
+            acc_c += tl.sum((x > xd).to(tl.int32), 1)
+    return acc_m, acc_t, acc_c, acc_s
 
 
 @triton.jit
@@ -47,11 +77,13 @@ def _row_stats_kernel(
     stride_lb,
     stride_lr,
     draft_ptr,  # [B, K] int64
+    mask_ptr,  # [B, K] uint8 (relax_mask): the count is only needed where relaxation may apply
     temp_ptr,  # [B] float32
     delta_ptr,  # [B] float32, NaN = unset
     pmax_ptr,  # [B*(K+1), NC] float32 out: chunk max of x
     pidx_ptr,  # [B*(K+1), NC] int32 out: lowest index of the chunk max
-    pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in chunk : x[v] > x[d]} (0 on the bonus row)
+    pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in chunk : x[v] > x[d]} (0 on the bonus row and where
+    #            relax_mask is false and the row is greedy: the count is unused there)
     psum_ptr,  # [B*(K+1), NC] float32 out: sum exp(x - chunk max), 1 when not needed
     V,
     K,
@@ -80,30 +112,25 @@ def _row_stats_kernel(
     xd = tl.where(has_draft, xd, float("inf"))
     need_sum = (temp != 0.0) | (delta == delta)
 
-    # A tile is [LANES, VEC]: each lane reads VEC neighbours (one vector load), folds them in
-    # registers, then updates its running stats, so the running state is LANES wide, not TILE.
+    # A tile is [LANES, VEC]: each lane reads VEC neighbours (one vector load) and keeps running
+    # stats over them. For the index of the max a lane only records which step first showed its
+    # max; that vector is read again once at the end, so the loop does no per-entry index work.
     LANES: tl.constexpr = TILE // VEC
     offs2 = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [LANES, VEC]
-    acc_m = tl.full([LANES], float("-inf"), tl.float32)
-    acc_i = tl.full([LANES], _INT32_MAX, tl.int32)
-    acc_c = tl.zeros([LANES], tl.int32)
-    acc_s = tl.zeros([LANES], tl.float32)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    for t in range(start, end, TILE):
-        offs = t + offs2
-        x = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
-        if temp != 0.0:
-            x = tl.math.div_rn(x, temp)
-        m_v = tl.max(x, 1)  # [LANES]
-        i_v = tl.min(tl.where(x == m_v[:, None], offs, _INT32_MAX), 1)  # lowest index of the max
-        acc_i = tl.where(m_v > acc_m, i_v, acc_i)  # strict: a lane keeps its first maximum
-        new_m = tl.maximum(acc_m, m_v)
-        if need_sum:
-            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            acc_s = acc_s * tl.exp(acc_m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
-        acc_m = new_m
-        acc_c += tl.sum((x > xd).to(tl.int32), 1)
+    relax = tl.load(mask_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0) != 0
+    if need_sum:  # sampled row or delta set: scaled logits and the online sum-exp
+        acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, True, True)
+    elif relax:  # greedy relaxable position: max, where it is, and the rank count of the draft
+        acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, False, True)
+    else:  # greedy strict position (or the bonus row): max and where it is
+        acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, False, False)
+    offs = acc_t[:, None] + offs2  # the step that first showed each lane's max
+    x = tl.load(base + offs, mask=(offs < end) & (acc_t >= 0)[:, None], other=float("-inf")).to(tl.float32)
+    if temp != 0.0:
+        x = tl.math.div_rn(x, temp)
+    acc_i = tl.min(tl.where((x == acc_m[:, None]) & (acc_t >= 0)[:, None], offs, _INT32_MAX), 1)
 
     m = tl.max(acc_m, 0)
     idx = tl.min(tl.where(acc_m == m, acc_i, _INT32_MAX), 0)
@@ -393,7 +420,7 @@ def rejection_sample_triton(
     s_b, s_r = logits.stride(0), logits.stride(1)
 
     _row_stats_kernel[(rows, nc)](
-        logits, s_b, s_r, drafts, temp, delta, pmax, pidx, pcnt, psum, v, k, nc, chunk,
+        logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum, v, k, nc, chunk,
         TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), num_warps=STATS_WARPS,
     )  # fmt: skip
     _accept_kernel[(b,)](

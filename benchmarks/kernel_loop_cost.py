@@ -1,0 +1,93 @@
+"""Static cost of the acceptance kernel's streaming loops, from its sm_90 machine code (no GPU needed).
+
+Compiles `_row_stats_kernel` for an H100/H200 target with Triton's own ptxas (the PyPI wheel
+ships it), disassembles it with nvdisasm, finds every loop that reads global memory and reports
+its instructions per vocabulary entry: one line per loop version (strict greedy, relaxed greedy
+with the rank count, and the sum-exp loop of sampled / delta rows, marked "exp"). When the pass
+is bound by instruction issue rather than bandwidth (bf16 rows), this count moves its time.
+
+    python benchmarks/kernel_loop_cost.py --dtype bf16 --tile 2048 --vec 8 --warps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from thinkspec.sampling import rejection_triton as rt
+
+SIGNATURE = {
+    "logits_ptr": None, "stride_lb": "i32", "stride_lr": "i32", "draft_ptr": "*i64", "mask_ptr": "*u8",
+    "temp_ptr": "*fp32", "delta_ptr": "*fp32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "pcnt_ptr": "*i32",
+    "psum_ptr": "*fp32", "V": "i32", "K": "i32", "NC": "i32", "CHUNK": "i32", "TILE": "constexpr",
+    "VEC": "constexpr",
+}  # fmt: skip
+# Arguments the launcher sees as 16-aligned (pointers, V = 151,936, strides, CHUNK): as at run time.
+ALIGNED = ("logits_ptr", "stride_lb", "stride_lr", "draft_ptr", "mask_ptr", "temp_ptr", "delta_ptr",
+           "pmax_ptr", "pidx_ptr", "pcnt_ptr", "psum_ptr", "V", "CHUNK")  # fmt: skip
+
+
+def disassemble(dtype: str, tile: int, vec: int, warps: int) -> str:
+    sig = dict(SIGNATURE, logits_ptr=f"*{dtype}")
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
+    constexprs = {"TILE": tile, "VEC": vec}
+    src = ASTSource(fn=rt._row_stats_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def loops(sass: str, entry_bytes: int) -> list[dict]:
+    """Every backward-branch loop that loads from global memory: size, entries read, per-entry cost."""
+    lines = [line.split(";")[0] for line in sass.splitlines()]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if not (m and m.group(1) in labels and labels[m.group(1)] < i):
+            continue
+        body = [x for x in lines[labels[m.group(1)] : i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+        nbytes = 0
+        for x in body:
+            op = re.search(r"LDG\S*", x)
+            if op:
+                width = op.group(0).split(".")[-1]
+                nbytes += {"128": 16, "64": 8, "U16": 2, "S16": 2}.get(width, 4)
+        if nbytes:
+            ops = Counter(re.search(r"\*/\s+(?:@!?P\d\s+)?([A-Z0-9]+)", x).group(1) for x in body)
+            entries = nbytes // entry_bytes
+            found.append(dict(instructions=len(body), entries=entries, per_entry=len(body) / entries,
+                              exp="MUFU" in ops, top_ops=ops.most_common(6)))  # fmt: skip
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--tile", type=int, default=rt.STATS_TILE)
+    ap.add_argument("--vec", type=int, default=rt.STATS_VEC)
+    ap.add_argument("--warps", type=int, default=rt.STATS_WARPS)
+    args = ap.parse_args()
+    sass = disassemble(args.dtype, args.tile, args.vec, args.warps)
+    print(f"{args.dtype} tile {args.tile} vec {args.vec} warps {args.warps}")
+    for lp in loops(sass, 4 if args.dtype == "fp32" else 2):
+        kind = "sum-exp" if lp["exp"] else "greedy"
+        print(f"  {kind:8} loop: {lp['instructions']:4} instructions / {lp['entries']:3} entries = "
+              f"{lp['per_entry']:.2f} per entry; {lp['top_ops']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
