@@ -197,7 +197,7 @@ class LLM:
         in_tokens = out_tokens = 0
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step(finished_only=True):
                     if not out.finished:
                         continue
                     results[out.request_id] = out

@@ -164,34 +164,50 @@ def pack_batch(
     ids_h, pos_h, slot_h, rows_h, qsl_h, lens_h, table_h = layout.split(host)
     table_h = table_h.reshape(layout.num_seqs, layout.width)
     table_h.fill(-1)
-    qsl_h[0] = 0
-    t = r = 0
+    # Plain Python lists, written to the buffer once per section: per-sequence numpy calls cost
+    # microseconds each, which adds up to milliseconds per step at hundreds of sequences.
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+    qsl = [0]
+    lens: list[int] = []
+    t = 0
     max_q = max_len = 0
     for i, (seq, n, k) in enumerate(zip(seqs, num_new_tokens, num_logits)):
         start = seq.num_computed_tokens if start_positions is None else start_positions[i]
         end = start + n
+        table = seq.block_table
         if n < 1 or not 0 <= k <= n:
             raise ValueError(f"sequence {seq.request_id!r}: num_new_tokens={n}, num_logits={k}")
-        if len(seq.block_table) * block_size < end:
+        if len(table) * block_size < end:
             raise RuntimeError(f"sequence {seq.request_id!r} has no KV slots for positions up to {end}")
-        if len(seq.block_table) > layout.width:
+        if len(table) > layout.width:
             raise ValueError(f"sequence {seq.request_id!r}: block table wider than {layout.width}")
         tokens = seq.token_ids[start:end] if input_token_ids is None else input_token_ids[i]
         if len(tokens) != n:
             raise ValueError(f"sequence {seq.request_id!r}: {len(tokens)} input tokens for {n} positions")
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        pos = np.arange(start, end, dtype=np.int64)
-        ids_h[t : t + n] = tokens
-        pos_h[t : t + n] = pos
-        slot_h[t : t + n] = table[pos // block_size] * block_size + pos % block_size
-        rows_h[r : r + k] = np.arange(t + n - k, t + n)
+        ids.extend(tokens)
+        if n == 1:  # decode: the common case, no ranges
+            pos.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            pos.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        rows.extend(range(t + n - k, t + n))
         table_h[i, : len(table)] = table
         t += n
-        r += k
-        qsl_h[i + 1] = t
-        lens_h[i] = end
+        qsl.append(t)
+        lens.append(end)
         max_q = max(max_q, n)
         max_len = max(max_len, end)
+    r = len(rows)
+    ids_h[:t] = ids
+    pos_h[:t] = pos
+    slot_h[:t] = slots
+    rows_h[:r] = rows
+    qsl_h[: num_seqs + 1] = qsl
+    lens_h[:num_seqs] = lens
     ids_h[t:] = 0
     pos_h[t:] = 0
     slot_h[t:] = -1

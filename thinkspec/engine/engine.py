@@ -417,9 +417,10 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model, sample, commit. Returns outputs of requests that produced
-        tokens or finished this step (cumulative text and token ids)."""
+        tokens or finished this step (cumulative text and token ids); with finished_only, of the
+        requests that finished (what LLM.generate needs: no per-step copies of running outputs)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         spec = self.speculator
         sched = self.scheduler.schedule(num_lookahead_tokens=spec.k if spec is not None else 0)
@@ -435,7 +436,8 @@ class LLMEngine:
             # KV now holds the accepted tokens only; rejected drafts' slots are reused later.
             sched.num_new_tokens = result.num_computed
             for seq in self.scheduler.postprocess(sched, result.token_ids):
-                outputs.append(self.make_output(seq))
+                if seq.is_finished or not finished_only:
+                    outputs.append(self.make_output(seq))
             return outputs
         sample_mask = sched.sample_mask()
         num_logits = [int(m) for m in sample_mask]
@@ -449,7 +451,8 @@ class LLMEngine:
         it = iter(tokens)
         committed = [[next(it)] if m else [] for m in sample_mask]
         for seq in self.scheduler.postprocess(sched, committed):
-            outputs.append(self.make_output(seq))
+            if seq.is_finished or not finished_only:
+                outputs.append(self.make_output(seq))
         return outputs
 
     def make_output(self, seq: Sequence) -> RequestOutput:

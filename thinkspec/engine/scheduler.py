@@ -90,6 +90,12 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._slots_needed(seq, seq.num_computed_tokens, num_new, num_lookahead_tokens)
+            if need <= len(seq.block_table) * bm.block_size:  # usual decode step: no new block
+                out.seqs.append(seq)
+                out.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
             while not bm.can_allocate(seq, need):
                 victim = self.running.pop()
                 self._preempt(victim)
