@@ -385,3 +385,37 @@ def test_gpu_graph_memory_is_measured_and_held_to():
         [[1, 2, 3], list(range(5, 60))], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
     )
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["plain", "draft"])
+def test_gpu_steady_state_step_syncs_at_most_once(mode):
+    """A decode step (plain) or speculative round (draft) with graphs waits for the device at most
+    once: the copy of its results to the host. Counted with torch's sync debug mode."""
+    import warnings
+
+    target = resolve_model_path("toy-reasoner")
+    spec = None
+    if mode == "draft":
+        spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
+    llm = LLM(target, device="cuda", dtype="bfloat16", max_num_seqs=8, speculative_config=spec,
+              reasoning_parser="qwen3", gpu_memory_utilization=0.3)  # fmt: skip
+    engine = llm.llm_engine
+    for i, prompt in enumerate(_toy_prompts(4)):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), str(i))
+    for _ in range(8):  # prefill, then decode steps: every graph this batch needs is captured
+        engine.step()
+    per_step = []
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        for _ in range(5):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            per_step.append([f"{w.filename}:{w.lineno}" for w in syncs])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(s) <= 1 for s in per_step), per_step
+    while engine.has_unfinished_requests():
+        engine.step()
