@@ -23,6 +23,7 @@ from thinkspec.layers.attention import Attention  # noqa: E402
 from thinkspec.layers.attention_torch import PaddedTorchAttentionBackend, TorchAttentionBackend  # noqa: E402
 from thinkspec.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context  # noqa: E402
+from thinkspec.layers.norm import RMSNorm  # noqa: E402
 
 gpu = pytest.mark.gpu
 
@@ -164,9 +165,11 @@ def test_interp_attention_module_and_shape_errors():
 
 
 @interp
-@pytest.mark.parametrize("speculative", [False, True])
-def test_interp_llm_greedy_tokens_match_torch_backend(speculative):
-    path = str(tiny_checkpoint("qwen3", tied=False))
+@pytest.mark.parametrize(("arch", "speculative"), [("qwen3", False), ("qwen3", True), ("qwen2", True)])
+def test_interp_llm_greedy_tokens_match_torch_backend(arch, speculative):
+    # attention_backend="triton" means Triton attention and the fused decoder kernels, in the target
+    # and the draft; greedy tokens equal the torch path's.
+    path = str(tiny_checkpoint(arch, tied=False))
     prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": list(range(10, 50))}]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     spec = {"model": path, "num_speculative_tokens": 3} if speculative else None
@@ -176,8 +179,11 @@ def test_interp_llm_greedy_tokens_match_torch_backend(speculative):
             path, device="cpu", block_size=16, max_num_batched_tokens=32, skip_tokenizer_init=True,
             speculative_config=spec, attention_backend=backend,
         )  # fmt: skip
-        layers = [m for m in llm.llm_engine.model.modules() if isinstance(m, Attention)]
-        assert all(isinstance(m.backend, TritonAttentionBackend) == (backend == "triton") for m in layers)
+        engine = llm.llm_engine
+        for model in [engine.model] + ([engine.draft_model] if speculative else []):
+            layers = [m for m in model.modules() if isinstance(m, Attention)]
+            assert all(isinstance(m.backend, TritonAttentionBackend) == (backend == "triton") for m in layers)
+            assert all(m.fused == (backend == "triton") for m in model.modules() if isinstance(m, RMSNorm))
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"] and all(len(t) == 8 for t in tokens["torch"])
 
