@@ -33,7 +33,7 @@ import torch
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
-from thinkspec.engine.model_runner import ModelRunner, attention_layers
+from thinkspec.engine.model_runner import ModelRunner, use_triton_kernels
 from thinkspec.engine.scheduler import SchedulerOutput
 from thinkspec.engine.sequence import Sequence
 from thinkspec.models.loader import load_model
@@ -75,18 +75,6 @@ def write_config(folder: Path, shape: dict, vocab_size: int) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
-
-
-def use_triton_kernels(*models: torch.nn.Module) -> None:
-    """The engine's CUDA setup: Triton paged attention (and fused small ops where the model has them)."""
-    from thinkspec.layers.attention_triton import TritonAttentionBackend
-
-    backend = TritonAttentionBackend()
-    for model in models:
-        for layer in attention_layers(model):
-            layer.backend = backend
-        if hasattr(model, "set_fused_kernels"):
-            model.set_fused_kernels(True)
 
 
 def sync(device: torch.device) -> None:
@@ -230,7 +218,8 @@ def main() -> None:
         target, tinfo = load_model(tdir, dtype, device, load_format="dummy")
         draft, dinfo = load_model(ddir, dtype, device, load_format="dummy")
         if device.type == "cuda":
-            use_triton_kernels(target, draft)
+            use_triton_kernels(target)  # as the engine sets models up on CUDA
+            use_triton_kernels(draft)
         batches = [int(b) for b in args.batch_sizes.split(",")]
         rows = [run_batch(args, target, tinfo, draft, dinfo, ddir, b, device) for b in batches]
     result = {

@@ -16,10 +16,10 @@ from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
 from thinkspec.engine.model_runner import (
     ModelRunner,
-    attention_layers,
     determine_kv_cache_memory,
     kv_cache_bytes_per_block,
     measure_cuda_graph_memory,
+    use_triton_kernels,
 )
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
@@ -203,14 +203,9 @@ class LLMEngine:
                 d.num_layers, config.block_size, d.num_kv_heads, d.head_dim, d.dtype
             )
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        if self.attention_backend == "triton":  # the profile run (no pool yet) falls back to torch
-            from thinkspec.layers.attention_triton import TritonAttentionBackend
-
-            backend = TritonAttentionBackend()
+        if self.attention_backend == "triton":
             for model in (m for m in (self.model, self.draft_model) if m is not None):
-                for layer in attention_layers(model):
-                    layer.backend = backend
-                model.set_fused_kernels(True)  # the fused norm / rotary / SiLU kernels go with it
+                use_triton_kernels(model)
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton"
         )

@@ -56,6 +56,18 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def use_triton_kernels(model: nn.Module) -> None:
+    """Triton paged attention in every attention layer and the fused norm / rotary / SiLU kernels
+    (CUDA, or TRITON_INTERPRET=1). Until a KV pool exists (the profiling run) attention falls back
+    to the torch reference."""
+    from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    for layer in attention_layers(model):
+        layer.backend = backend
+    model.set_fused_kernels(True)
+
+
 @torch.inference_mode()
 def profile_run(
     model: nn.Module, *, num_tokens: int, max_model_len: int, num_seqs: int, vocab_size: int
