@@ -198,8 +198,6 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step(finished_only=True):
-                    if not out.finished:
-                        continue
                     results[out.request_id] = out
                     in_tokens += len(out.prompt_token_ids)
                     out_tokens += len(out.outputs[0].token_ids)

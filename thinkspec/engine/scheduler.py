@@ -90,21 +90,16 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._slots_needed(seq, seq.num_computed_tokens, num_new, num_lookahead_tokens)
-            if need <= len(seq.block_table) * bm.block_size:  # usual decode step: no new block
-                out.seqs.append(seq)
-                out.num_new_tokens.append(num_new)
-                budget -= num_new
-                i += 1
-                continue
-            while not bm.can_allocate(seq, need):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+            if need > len(seq.block_table) * bm.block_size:  # a usual decode step needs no new block
+                while not bm.can_allocate(seq, need):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
                     break
-            if seq.status != SequenceStatus.RUNNING:
-                break
-            bm.allocate(seq, need)
+                bm.allocate(seq, need)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
