@@ -21,8 +21,7 @@ import sys
 import time
 
 import torch
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from bench_acceptance import DTYPES, copy_bandwidth
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -57,17 +56,6 @@ def time_graphs(graphs: list[torch.cuda.CUDAGraph], n: int) -> tuple[float, floa
     return flushed * 1e3, best * 1e3
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, read + write."""
-    import triton.testing
-
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median"))
-    return 2 * n / (ms * 1e-3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -85,7 +73,7 @@ def main() -> None:
         sys.exit("tune_acceptance needs a CUDA device")
     import thinkspec.sampling.rejection_triton as rt
 
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(warmup=25, rep=200)
     results = []
     k, v = args.k, args.vocab
     for dt in args.dtypes.split(","):
