@@ -44,6 +44,16 @@ _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels m
 
 
 @triton.jit
+def _scaled(x, temp):
+    # x / temp for sampled rows (temp != 0), as float32. IEEE division (plain `/` is approximate on
+    # GPU), so x matches the reference bit for bit.
+    x = x.to(tl.float32)
+    if temp != 0.0:
+        x = tl.math.div_rn(x, temp)
+    return x
+
+
+@triton.jit
 def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl.constexpr,
                 WITH_SUM: tl.constexpr, WITH_CNT: tl.constexpr):  # fmt: skip
     # Streams x = logits[start:end] (/ temp when WITH_SUM) in [LANES, VEC] steps. Per lane: running
@@ -54,11 +64,11 @@ def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl
     acc_s = tl.zeros([LANES], tl.float32)
     for t in range(start, end, TILE):
         offs = t + offs2
-        x = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
-        if WITH_SUM:  # noqa: SIM102 (a compile-time branch around a run-time one)
-            if temp != 0.0:
-                # IEEE division (plain `/` is approximate on GPU), so x matches the reference bit for bit.
-                x = tl.math.div_rn(x, temp)
+        x = tl.load(base + offs, mask=offs < end, other=float("-inf"))
+        if WITH_SUM:
+            x = _scaled(x, temp)
+        else:
+            x = x.to(tl.float32)
         m_v = tl.max(x, 1)  # [LANES]
         acc_t = tl.where(m_v > acc_m, t, acc_t)  # strict: a lane keeps the first step with its max
         new_m = tl.maximum(acc_m, m_v)
@@ -92,8 +102,8 @@ def _row_stats_kernel(
     TILE: tl.constexpr,
     VEC: tl.constexpr,  # neighbouring entries per lane and step (a power of two dividing TILE)
 ):
-    # One program streams one chunk of one row in TILE-wide steps, keeping per-lane running
-    # max / first index / count (/ online sum-exp) in registers, and reduces across lanes once.
+    # One program streams one chunk of one row in TILE-wide steps (_stats_loop), finds the lowest
+    # index of each lane's max, and reduces across lanes once.
     row = tl.program_id(0)
     c = tl.program_id(1)
     b = row // (K + 1)
@@ -105,11 +115,7 @@ def _row_stats_kernel(
     has_draft = i < K
     d = tl.load(draft_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0)
     d = tl.minimum(tl.maximum(d, 0), V - 1)
-    xd = tl.load(base + d).to(tl.float32)
-    if temp != 0.0:
-        # IEEE division (plain `/` is approximate on GPU), so x matches the reference bit for bit.
-        xd = tl.math.div_rn(xd, temp)
-    xd = tl.where(has_draft, xd, float("inf"))
+    xd = tl.where(has_draft, _scaled(tl.load(base + d), temp), float("inf"))
     need_sum = (temp != 0.0) | (delta == delta)
 
     # A tile is [LANES, VEC]: each lane reads VEC neighbours (one vector load) and keeps running
@@ -127,9 +133,7 @@ def _row_stats_kernel(
     else:  # greedy strict position (or the bonus row): max and where it is
         acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, False, False)
     offs = acc_t[:, None] + offs2  # the step that first showed each lane's max
-    x = tl.load(base + offs, mask=(offs < end) & (acc_t >= 0)[:, None], other=float("-inf")).to(tl.float32)
-    if temp != 0.0:
-        x = tl.math.div_rn(x, temp)
+    x = _scaled(tl.load(base + offs, mask=(offs < end) & (acc_t >= 0)[:, None], other=float("-inf")), temp)
     acc_i = tl.min(tl.where((x == acc_m[:, None]) & (acc_t >= 0)[:, None], offs, _INT32_MAX), 1)
 
     m = tl.max(acc_m, 0)
@@ -204,9 +208,7 @@ def _accept_kernel(
     d_raw = tl.load(draft_ptr + b * K + offs_k, mask=is_pos, other=0)
     d = tl.minimum(tl.maximum(d_raw, 0), V - 1)
     xd = tl.load(logits_ptr + b * stride_lb + offs_k * stride_lr + d, mask=is_pos, other=float("-inf"))
-    xd = xd.to(tl.float32)
-    if temp != 0.0:
-        xd = tl.math.div_rn(xd, temp)
+    xd = _scaled(xd, temp)
     pd = tl.exp(xd - lse)
     pmax = tl.exp(m - lse)
     # Per-request scalars broadcast to [K1_P2] before mixing with per-row booleans.
