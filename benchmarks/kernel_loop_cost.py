@@ -24,22 +24,28 @@ from triton.compiler import ASTSource
 
 from thinkspec.sampling import rejection_triton as rt
 
-SIGNATURE = {
-    "logits_ptr": None, "stride_lb": "i32", "stride_lr": "i32", "draft_ptr": "*i64", "mask_ptr": "*u8",
-    "temp_ptr": "*fp32", "delta_ptr": "*fp32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "pcnt_ptr": "*i32",
-    "psum_ptr": "*fp32", "V": "i32", "K": "i32", "NC": "i32", "CHUNK": "i32", "TILE": "constexpr",
-    "VEC": "constexpr",
-}  # fmt: skip
+# Pointer element types other than fp32; scalars are i32. The fused accept path is compiled in (as
+# it runs), so its one-off code shows up beside the loops but is not counted as a loop.
+POINTERS = {"draft_ptr": "i64", "mask_ptr": "u8", "pidx_ptr": "i32", "pcnt_ptr": "i32", "ndraft_ptr": "i64",
+            "topk_ptr": "i64", "seed_ptr": "i64", "out_ptr": "i64", "nacc_ptr": "i64", "flag_ptr": "u8",
+            "count_ptr": "i32"}  # fmt: skip
 # Arguments the launcher sees as 16-aligned (pointers, V = 151,936, strides, CHUNK): as at run time.
 ALIGNED = ("logits_ptr", "stride_lb", "stride_lr", "draft_ptr", "mask_ptr", "temp_ptr", "delta_ptr",
            "pmax_ptr", "pidx_ptr", "pcnt_ptr", "psum_ptr", "V", "CHUNK")  # fmt: skip
 
 
 def disassemble(dtype: str, tile: int, vec: int, warps: int) -> str:
-    sig = dict(SIGNATURE, logits_ptr=f"*{dtype}")
+    sig = {}
+    for p in rt._row_stats_kernel.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = "*" + (dtype if p.name == "logits_ptr" else POINTERS.get(p.name, "fp32"))
+        else:
+            sig[p.name] = "i32"
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
-    constexprs = {"TILE": tile, "VEC": vec}
+    constexprs = {"TILE": tile, "VEC": vec, "FUSE": rt.FUSE_ACCEPT, "HAS_Q": False, "NC_P2": 16, "K1_P2": 8}
     src = ASTSource(fn=rt._row_stats_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as tmp:

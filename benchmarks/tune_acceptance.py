@@ -21,6 +21,9 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
+import triton.testing
 from bench_acceptance import DTYPES, copy_bandwidth
 
 
@@ -33,10 +36,24 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+@triton.jit
+def _read_max_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
+    tl.store(out_ptr + tl.program_id(0), tl.max(x.to(tl.float32), 0))
+
+
+def read_max(logits: torch.Tensor) -> torch.Tensor:
+    """A plain streaming read of the logits (max of 8,192-entry tiles): what a kernel that only
+    reads them once costs, for comparison with the floor. [R, V] -> [R * V / 8192] float32."""
+    flat = logits.view(-1)
+    out = torch.empty(triton.cdiv(flat.numel(), 8192), dtype=torch.float32, device=logits.device)
+    _read_max_kernel[(out.numel(),)](flat, out, flat.numel(), BLOCK=8192, num_warps=8)
+    return out
+
+
 def time_graphs(graphs: list[torch.cuda.CUDAGraph], n: int) -> tuple[float, float]:
     """(flushed median us, back-to-back mean us) over the rotating graphs."""
-    import triton.testing
-
     cyc = itertools.cycle(graphs)
     flushed = float(
         triton.testing.do_bench(lambda: next(cyc).replay(), warmup=20, rep=100, return_mode="median")
@@ -67,6 +84,7 @@ def main() -> None:
     ap.add_argument("--vecs", default="4,8", help="entries per lane and step (STATS_VEC)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--programs-per-sm", default="16,32")
+    ap.add_argument("--fuse", default="0,1", help="FUSE_ACCEPT values (1: no second launch)")
     ap.add_argument("--replays", type=int, default=40)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -103,23 +121,33 @@ def main() -> None:
             )
             floor = nbytes / bw * 1e6
             ref = None
-            for tile, vec, warps, pps in itertools.product(
+            read = [_graph(lambda lg=lg: read_max(lg)) for lg, _ in bufs]
+            read_b2b = time_graphs(read, args.replays)[1]
+            del read
+            print(
+                json.dumps(dict(dtype=dt, rows=rows, read_kernel_us=read_b2b, read_kernel_x=read_b2b / floor))
+            )
+            for tile, vec, warps, pps, fuse in itertools.product(
                 map(int, args.tiles.split(",")), map(int, args.vecs.split(",")),
                 map(int, args.warps.split(",")), map(int, args.programs_per_sm.split(",")),
+                map(int, args.fuse.split(",")),
             ):  # fmt: skip
                 rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.PROGRAMS_PER_SM = tile, vec, warps, pps
+                rt.FUSE_ACCEPT = bool(fuse)
                 try:
                     res = rt.rejection_sample_triton(*bufs[0], **common, all_greedy=True)
                     torch.cuda.synchronize()
                 except Exception as e:  # a launch shape the compiler refuses: record and go on
-                    cfg = dict(dtype=dt, rows=rows, tile=tile, vec=vec, warps=warps, pps=pps)
+                    cfg = dict(dtype=dt, rows=rows, tile=tile, vec=vec, warps=warps, pps=pps, fuse=fuse)
                     results.append({**cfg, "error": str(e)[:200]})
                     continue
                 out = (res.num_accepted.clone(), res.output_token_ids.clone())
                 if ref is None:
                     ref = out
                 elif not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
-                    raise RuntimeError(f"tile={tile} vec={vec} w={warps} pps={pps} changed the result")
+                    raise RuntimeError(
+                        f"tile={tile} vec={vec} w={warps} pps={pps} fuse={fuse} changed the result"
+                    )
                 fns = [lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
                        for lg, d in bufs]  # fmt: skip
                 graphs = [_graph(fn) for fn in fns]
@@ -133,7 +161,9 @@ def main() -> None:
                     vec=vec,
                     warps=warps,
                     pps=pps,
+                    fuse=fuse,
                     nc=nc,
+                    read_kernel_us=read_b2b,
                     chunk=chunk,
                     floor_us=floor,
                     flushed_us=flushed,
@@ -162,7 +192,7 @@ def main() -> None:
             for key in ("b2b_x", "flushed_x"):
                 top = sorted(case, key=lambda r: r[key])[:3]
                 best = "; ".join(
-                    f"tile {r['tile']} v{r['vec']} w{r['warps']} pps {r['pps']}: "
+                    f"tile {r['tile']} v{r['vec']} w{r['warps']} pps {r['pps']} fuse {r['fuse']}: "
                     f"b2b {r['b2b_x']:.2f}x flushed {r['flushed_x']:.2f}x"
                     for r in top
                 )

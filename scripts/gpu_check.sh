@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in one go (meant for one H200). Writes JSON and logs under $OUT and
 # prints a short summary table last. Stages are time-boxed so one slow stage cannot eat the rest;
 # STAGES selects a subset (default: all), e.g. STAGES="tests acceptance".
-#   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels)
+#   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels); TEST_PATHS
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
@@ -27,7 +27,7 @@ note() { echo "$*" | tee -a "$summary"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
 
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
   note "tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" | tail -1)"
 fi
 

@@ -91,16 +91,16 @@ def test_paged_attention_compiles(dtype, splits, block_q):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_acceptance_kernels_compile(dtype):
-    stats = {
+    accept = {
         "logits_ptr": dtype, "draft_ptr": "i64", "mask_ptr": "u8", "temp_ptr": "fp32", "delta_ptr": "fp32",
-        "pmax_ptr": "fp32", "pidx_ptr": "i32", "pcnt_ptr": "i32", "psum_ptr": "fp32",
+        "pmax_ptr": "fp32", "pidx_ptr": "i32", "pcnt_ptr": "i32", "psum_ptr": "fp32", "ndraft_ptr": "i64",
+        "ratio_ptr": "fp32", "topk_ptr": "i64", "q_ptr": "fp32", "seed_ptr": "i64", "out_ptr": "i64",
+        "nacc_ptr": "i64", "flag_ptr": "u8", "emit_lse_ptr": "fp32",
     }  # fmt: skip
     tile, vec = rt.STATS_TILE, rt.STATS_VEC
-    compile_sm90(rt._row_stats_kernel, stats, {"TILE": tile, "VEC": vec}, rt.STATS_WARPS)
-    accept = {
-        **stats, "ndraft_ptr": "i64", "ratio_ptr": "fp32", "topk_ptr": "i64", "q_ptr": "fp32",
-        "seed_ptr": "i64", "out_ptr": "i64", "nacc_ptr": "i64", "flag_ptr": "u8", "emit_lse_ptr": "fp32",
-    }  # fmt: skip
+    for fuse, has_q in ((False, False), (True, False), (True, True)):
+        constexprs = {"TILE": tile, "VEC": vec, "FUSE": fuse, "HAS_Q": has_q, "NC_P2": 64, "K1_P2": 8}
+        compile_sm90(rt._row_stats_kernel, {**accept, "count_ptr": "i32"}, constexprs, rt.STATS_WARPS)
     for has_q in (False, True):
         compile_sm90(rt._accept_kernel, accept, {"HAS_Q": has_q, "NC_P2": 64, "K1_P2": 8}, 2)
     race = {

@@ -89,14 +89,17 @@ def _check_structure(res, kw):
 # ---------------------------------------------------------------- interpreter (CPU) cases
 
 
-@pytest.fixture(params=[1, 4], ids=["vec1", "vec4"])
+@pytest.fixture(params=[(1, True), (4, True), (4, False)], ids=["vec1", "vec4", "vec4-2launches"])
 def small_tiles(monkeypatch, request):
     # Tiny tiles so small vocabularies still span several tiles per row, and several chunks of
-    # several tiles each in the streamed stats pass; each case with 1 and 4 entries per lane.
+    # several tiles each in the streamed stats pass; each case with 1 and 4 entries per lane, and
+    # the accept logic both fused into the stats launch and as its own launch.
+    vec, fuse = request.param
     monkeypatch.setattr(rt, "MAX_TILE", 8)
     monkeypatch.setattr(rt, "STATS_TILE", 8)
-    monkeypatch.setattr(rt, "STATS_VEC", request.param)
+    monkeypatch.setattr(rt, "STATS_VEC", vec)
     monkeypatch.setattr(rt, "PROGRAMS_PER_SM", 8)
+    monkeypatch.setattr(rt, "FUSE_ACCEPT", fuse)
 
 
 @interp
@@ -105,6 +108,9 @@ def test_interp_greedy_matches_reference(small_tiles, k, v):
     gen = torch.Generator().manual_seed(100 * k + v)
     kw = _greedy_batch(gen, 10, k, v)
     _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
+    _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))  # counts were reset
+    for buf in rt._COUNTERS.get(torch.device("cpu"), []):
+        assert not buf.any()
 
 
 @interp

@@ -4,8 +4,9 @@ Launches, all with grids fixed by (B, K, V) so a round can be CUDA-graph capture
   1. _row_stats_kernel    grid (B*(K+1), NC)  one vocabulary chunk per program, streamed: chunk max,
                           its lowest index, #{v : x[v] > x[d]} and, when the row needs it (sampled
                           request or relax_delta set), sum exp(x - chunk max). x[d] is read by index.
-  2. _accept_kernel       grid (B,)           reduces the NC partials of each row, runs the
-                          accept/first-reject logic and writes every output; greedy requests are done.
+  2. _accept_request      reduces the NC partials of each row, runs the accept/first-reject logic
+                          and writes every output; greedy requests are done. Run by the request's last
+                          stats program to finish (FUSE_ACCEPT), or as _accept_kernel, grid (B,).
   3. _race_kernel         grid (B, NC)        sampled requests only: exponential race over the
                           emitting row, argmax_v r(v) / E_v with E_v ~ Exp(1) from a counter-based
                           RNG, r = max(0, p - q) (residual) or p (bonus); no normalised copy is made.
@@ -40,6 +41,8 @@ STATS_TILE = 2048
 STATS_VEC = 8
 STATS_WARPS = 4
 PROGRAMS_PER_SM = 32
+# The stats launch also runs the accept logic (last-block pattern) instead of a second launch.
+FUSE_ACCEPT = True
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
 
 
@@ -81,7 +84,7 @@ def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl
     return acc_m, acc_t, acc_c, acc_s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_offset"])
 def _row_stats_kernel(
     logits_ptr,  # [B, K+1, V] float, last dim contiguous
     stride_lb,
@@ -95,12 +98,27 @@ def _row_stats_kernel(
     pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in chunk : x[v] > x[d]} (0 on the bonus row and where
     #            relax_mask is false and the row is greedy: the count is unused there)
     psum_ptr,  # [B*(K+1), NC] float32 out: sum exp(x - chunk max), 1 when not needed
+    ndraft_ptr,  # from here on: the _accept_request arguments, used when FUSE
+    ratio_ptr,
+    topk_ptr,
+    q_ptr,
+    seed_ptr,
+    seed_offset,
+    out_ptr,
+    nacc_ptr,
+    flag_ptr,
+    emit_lse_ptr,
+    count_ptr,  # [>= B] int32, zero on entry and left zero: finished programs per request
     V,
     K,
     NC,
     CHUNK,  # vocabulary entries per program, a multiple of TILE
     TILE: tl.constexpr,
     VEC: tl.constexpr,  # neighbouring entries per lane and step (a power of two dividing TILE)
+    FUSE: tl.constexpr,  # the request's last program to finish runs _accept_request (no 2nd launch)
+    HAS_Q: tl.constexpr,
+    NC_P2: tl.constexpr,
+    K1_P2: tl.constexpr,
 ):
     # One program streams one chunk of one row in TILE-wide steps (_stats_loop), finds the lowest
     # index of each lane's max, and reduces across lanes once.
@@ -111,11 +129,8 @@ def _row_stats_kernel(
     temp = tl.load(temp_ptr + b)
     delta = tl.load(delta_ptr + b)
     base = logits_ptr + b.to(tl.int64) * stride_lb + i.to(tl.int64) * stride_lr
-
     has_draft = i < K
-    d = tl.load(draft_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0)
-    d = tl.minimum(tl.maximum(d, 0), V - 1)
-    xd = tl.where(has_draft, _scaled(tl.load(base + d), temp), float("inf"))
+    relax = tl.load(mask_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0) != 0
     need_sum = (temp != 0.0) | (delta == delta)
 
     # A tile is [LANES, VEC]: each lane reads VEC neighbours (one vector load) and keeps running
@@ -125,13 +140,22 @@ def _row_stats_kernel(
     offs2 = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [LANES, VEC]
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    relax = tl.load(mask_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0) != 0
-    if need_sum:  # sampled row or delta set: scaled logits and the online sum-exp
-        acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, True, True)
-    elif relax:  # greedy relaxable position: max, where it is, and the rank count of the draft
-        acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, False, True)
+    if need_sum | relax:  # x[d] is needed: read it (two dependent loads) only here
+        d = tl.load(draft_ptr + b.to(tl.int64) * K + i, mask=has_draft, other=0)
+        d = tl.minimum(tl.maximum(d, 0), V - 1)
+        xd = tl.where(has_draft, _scaled(tl.load(base + d), temp), float("inf"))
+        if need_sum:  # sampled row or delta set: scaled logits and the online sum-exp
+            acc_m, acc_t, acc_c, acc_s = _stats_loop(
+                base, start, end, offs2, xd, temp, TILE, LANES, True, True
+            )
+        else:  # greedy relaxable position: max, where it is, and the rank count of the draft
+            acc_m, acc_t, acc_c, acc_s = _stats_loop(
+                base, start, end, offs2, xd, temp, TILE, LANES, False, True
+            )
     else:  # greedy strict position (or the bonus row): max and where it is
-        acc_m, acc_t, acc_c, acc_s = _stats_loop(base, start, end, offs2, xd, temp, TILE, LANES, False, False)
+        acc_m, acc_t, acc_c, acc_s = _stats_loop(
+            base, start, end, offs2, 0.0, temp, TILE, LANES, False, False
+        )
     offs = acc_t[:, None] + offs2  # the step that first showed each lane's max
     x = _scaled(tl.load(base + offs, mask=(offs < end) & (acc_t >= 0)[:, None], other=float("-inf")), temp)
     acc_i = tl.min(tl.where((x == acc_m[:, None]) & (acc_t >= 0)[:, None], offs, _INT32_MAX), 1)
@@ -148,10 +172,24 @@ def _row_stats_kernel(
     tl.store(pidx_ptr + out, idx)
     tl.store(pcnt_ptr + out, cnt)
     tl.store(psum_ptr + out, s)
+    if FUSE:
+        # Last-block pattern: every program's partials are stored before its acq_rel increment, so
+        # the program that takes the count to (K+1)*NC sees them all; it resets the count for the
+        # next launch (or graph replay).
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + b, 1, sem="acq_rel")
+        if done == (K + 1) * NC - 1:
+            tl.atomic_xchg(count_ptr + b, 0, sem="relaxed")
+            _accept_request(
+                b.to(tl.int64), logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr,
+                ratio_ptr, topk_ptr, delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr,
+                psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, NC_P2, K1_P2,
+            )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["seed_offset"])
-def _accept_kernel(
+@triton.jit
+def _accept_request(
+    b,  # request index (int64 scalar)
     logits_ptr,  # [B, K+1, V] float
     stride_lb,
     stride_lr,
@@ -181,7 +219,6 @@ def _accept_kernel(
     K1_P2: tl.constexpr,
 ):
     # All K+1 rows of the request at once (no serial chain of loads): [K1_P2] per-row vectors.
-    b = tl.program_id(0).to(tl.int64)
     n = tl.load(ndraft_ptr + b)
     temp = tl.load(temp_ptr + b)
     ratio = tl.load(ratio_ptr + b)
@@ -196,13 +233,13 @@ def _accept_kernel(
     offs_c = tl.arange(0, NC_P2)
     part = (b * (K + 1) + offs_k)[:, None] * NC + offs_c[None, :]
     pmask = is_row[:, None] & (offs_c < NC)[None, :]
-    pm = tl.load(pmax_ptr + part, mask=pmask, other=float("-inf"))
+    pm = tl.load(pmax_ptr + part, mask=pmask, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(pm, 1)
-    pi = tl.load(pidx_ptr + part, mask=pmask, other=_INT32_MAX)
+    pi = tl.load(pidx_ptr + part, mask=pmask, other=_INT32_MAX, cache_modifier=".cg")
     g = tl.min(tl.where(pm == m[:, None], pi, _INT32_MAX), 1)  # lowest index among tiles holding the max
-    cnt = tl.sum(tl.load(pcnt_ptr + part, mask=pmask, other=0), 1)
+    cnt = tl.sum(tl.load(pcnt_ptr + part, mask=pmask, other=0, cache_modifier=".cg"), 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    ps = tl.load(psum_ptr + part, mask=pmask, other=0.0)
+    ps = tl.load(psum_ptr + part, mask=pmask, other=0.0, cache_modifier=".cg")
     lse = m + tl.log(tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - m_safe[:, None])), 1))
 
     d_raw = tl.load(draft_ptr + b * K + offs_k, mask=is_pos, other=0)
@@ -246,6 +283,21 @@ def _accept_kernel(
     tl.store(flag_ptr + b * K + offs_k, flags, mask=is_pos)
     tl.store(nacc_ptr + b, j)
     tl.store(emit_lse_ptr + b, lse_j)
+
+
+@triton.jit(do_not_specialize=["seed_offset"])
+def _accept_kernel(
+    logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr, ratio_ptr, topk_ptr,
+    delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, out_ptr, nacc_ptr,
+    flag_ptr, emit_lse_ptr, V, K, NC,
+    HAS_Q: tl.constexpr, NC_P2: tl.constexpr, K1_P2: tl.constexpr,
+):  # fmt: skip
+    # grid (B,): the same arguments as _accept_request
+    _accept_request(
+        tl.program_id(0).to(tl.int64), logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr,
+        temp_ptr, ratio_ptr, topk_ptr, delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr,
+        psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, NC_P2, K1_P2,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed_offset"])
@@ -350,6 +402,24 @@ def _stats_split(rows: int, v: int, device: torch.device) -> tuple[int, int, int
     return tile, triton.cdiv(v, chunk), chunk
 
 
+# Per device, every counter buffer ever handed out (the newest last): captured graphs keep raw
+# pointers to older ones, so none is freed.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """[>= n] int32 zeros for the fused launch's per-request counts (each launch leaves them zero).
+    Under CUDA-graph capture a miss allocates a zeroed buffer for that graph alone (the zeroing is
+    captured with it) instead of caching memory from the graph's pool."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if bufs and bufs[-1].numel() >= n:
+        return bufs[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 def _p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
@@ -400,7 +470,7 @@ def rejection_sample_triton(
     q = draft_probs.contiguous() if draft_probs is not None else logits  # dummy pointer when absent
     if seeds is None:
         if all_greedy:
-            seeds = torch.zeros(b, dtype=torch.int64, device=dev)
+            seeds = ndraft  # any [B] int64: greedy decisions draw no randomness
         else:
             seeds = torch.randint(0, 2**62, (b,), dtype=torch.int64, device=dev, generator=generator)
     seeds = seeds.contiguous()
@@ -421,15 +491,21 @@ def rejection_sample_triton(
         return RejectionResult(out, nacc, flags.view(torch.bool))
     s_b, s_r = logits.stride(0), logits.stride(1)
 
+    has_q = draft_probs is not None
+    fuse = FUSE_ACCEPT
+    count = _counters(b, dev) if fuse else nacc  # nacc: an unused pointer
     _row_stats_kernel[(rows, nc)](
-        logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum, v, k, nc, chunk,
-        TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), num_warps=STATS_WARPS,
+        logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum,
+        ndraft, ratio, top_k, q, seeds, seed_offset, out, nacc, flags, emit_lse, count, v, k, nc, chunk,
+        TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), FUSE=fuse, HAS_Q=has_q, NC_P2=nc_p2,
+        K1_P2=_p2(k + 1), num_warps=STATS_WARPS,
     )  # fmt: skip
-    _accept_kernel[(b,)](
-        logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
-        pmax, pidx, pcnt, psum, out, nacc, flags, emit_lse, v, k, nc,
-        HAS_Q=draft_probs is not None, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=2,
-    )  # fmt: skip
+    if not fuse:
+        _accept_kernel[(b,)](
+            logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
+            pmax, pidx, pcnt, psum, out, nacc, flags, emit_lse, v, k, nc,
+            HAS_Q=has_q, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=2,
+        )  # fmt: skip
     if not all_greedy:
         nc = triton.cdiv(v, tile)  # the race runs one tile per program
         nc_p2 = _p2(nc)
@@ -440,7 +516,7 @@ def rejection_sample_triton(
         _race_kernel[(b, nc)](
             logits, s_b, s_r, drafts, ndraft, temp, q, seeds, seed_offset, nacc, emit_lse,
             rbest, ridx, pbest, pbidx, v, k, nc,
-            HAS_Q=draft_probs is not None, TILE=tile, num_warps=NUM_WARPS,
+            HAS_Q=has_q, TILE=tile, num_warps=NUM_WARPS,
         )  # fmt: skip
         _race_reduce_kernel[(b,)](temp, nacc, rbest, ridx, pbest, pbidx, out, k, nc, NC_P2=nc_p2, num_warps=1)
     return RejectionResult(output_token_ids=out, num_accepted=nacc, relaxed_accepted=flags.view(torch.bool))

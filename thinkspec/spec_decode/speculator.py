@@ -169,7 +169,7 @@ class Speculator:
         plain_seqs = [seqs[i] for i, m in enumerate(sample_mask) if m and i not in spec_of]
         parts: list[torch.Tensor] = []
         if plain_seqs:
-            plain_logits = logits[torch.tensor(plain_rows, dtype=torch.long).to(device)]
+            plain_logits = logits[torch.tensor(plain_rows, dtype=torch.long).to(device, non_blocking=True)]
             mask_stops_before_min_tokens(plain_logits.unsqueeze(1), plain_seqs)
             parts.append(
                 self.sampler(
@@ -181,7 +181,7 @@ class Speculator:
         num_spec = len(spec_index)
         if num_spec:
             spec_seqs = [seqs[i] for i in spec_index]
-            target = logits[torch.from_numpy(spec_rows).to(device)]  # [S, k+1, V]
+            target = logits[torch.from_numpy(spec_rows).to(device, non_blocking=True)]  # [S, k+1, V]
             result, phase_before, thinking_after = self._verify(
                 spec_seqs, target, drafts, num_drafts, draft_probs
             )
@@ -310,7 +310,9 @@ class Speculator:
         stop_ids = [sorted(s.sampling_params.stop_token_ids) for s in seqs]
         if any(stop_ids):  # request-level stop tokens are protected too
             width = max(len(x) for x in stop_ids)
-            pad = torch.tensor([x + [-2] * (width - len(x)) for x in stop_ids], dtype=torch.long).to(device)
+            pad = torch.tensor([x + [-2] * (width - len(x)) for x in stop_ids], dtype=torch.long).to(
+                device, non_blocking=True
+            )
             relax_mask &= ~(drafts[:, :, None] == pad[:, None, :]).any(dim=2)
 
         seeds = None
@@ -323,7 +325,7 @@ class Speculator:
                     for p, s in zip(params, seqs)
                 ],
                 dtype=torch.long,
-            ).to(device)
+            ).to(device, non_blocking=True)
         result = rejection_sample(
             target,
             drafts,
