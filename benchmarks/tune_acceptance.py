@@ -21,10 +21,8 @@ import sys
 import time
 
 import torch
-import triton
-import triton.language as tl
 import triton.testing
-from bench_acceptance import DTYPES, copy_bandwidth
+from bench_acceptance import DTYPES, copy_bandwidth, read_max
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -34,22 +32,6 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         fn()
     return g
-
-
-@triton.jit
-def _read_max_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
-    tl.store(out_ptr + tl.program_id(0), tl.max(x.to(tl.float32), 0))
-
-
-def read_max(logits: torch.Tensor) -> torch.Tensor:
-    """A plain streaming read of the logits (max of 8,192-entry tiles): what a kernel that only
-    reads them once costs, for comparison with the floor. [R, V] -> [R * V / 8192] float32."""
-    flat = logits.view(-1)
-    out = torch.empty(triton.cdiv(flat.numel(), 8192), dtype=torch.float32, device=logits.device)
-    _read_max_kernel[(out.numel(),)](flat, out, flat.numel(), BLOCK=8192, num_warps=8)
-    return out
 
 
 def time_graphs(graphs: list[torch.cuda.CUDAGraph], n: int) -> tuple[float, float]:

@@ -33,14 +33,14 @@ from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, c
 MAX_TILE = 8192
 NUM_WARPS = 8
 # The stats pass streams chunks of a row per program (see _stats_split). Each lane reads VEC
-# neighbours per step (16-byte loads for bf16 at VEC 8). The bf16 pass is bound by instruction
-# issue, so the shape follows benchmarks/kernel_loop_cost.py (sm_90 code: 2.4 instructions per
-# entry on strict greedy rows, 7.4 on relaxable ones, against 12 for the earlier loop that tracked
-# indices per entry); benchmarks/tune_acceptance.py times the alternatives (docs/BENCHMARKS.md).
-STATS_TILE = 2048
+# neighbours per step (16-byte loads for bf16 at VEC 8); the loops issue 2.5 instructions per entry
+# on strict greedy rows and 7.5 on relaxable ones (benchmarks/kernel_loop_cost.py), so they are
+# bound by memory. The shape is the fastest of benchmarks/tune_acceptance.py's grid on the H200
+# across bf16/fp32 and 320/1280 rows (docs/BENCHMARKS.md).
+STATS_TILE = 1024
 STATS_VEC = 8
 STATS_WARPS = 4
-PROGRAMS_PER_SM = 32
+PROGRAMS_PER_SM = 16
 # The stats launch also runs the accept logic (last-block pattern) instead of a second launch.
 FUSE_ACCEPT = True
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
@@ -244,15 +244,17 @@ def _accept_request(
 
     d_raw = tl.load(draft_ptr + b * K + offs_k, mask=is_pos, other=0)
     d = tl.minimum(tl.maximum(d_raw, 0), V - 1)
-    xd = tl.load(logits_ptr + b * stride_lb + offs_k * stride_lr + d, mask=is_pos, other=float("-inf"))
-    xd = _scaled(xd, temp)
-    pd = tl.exp(xd - lse)
-    pmax = tl.exp(m - lse)
     # Per-request scalars broadcast to [K1_P2] before mixing with per-row booleans.
     zero = tl.zeros([K1_P2], tl.float32)
     greedy_v = (zero + temp) == 0.0
     delta_v = zero + delta
     relax_on = tl.load(mask_ptr + b * K + offs_k, mask=is_pos, other=0) != 0
+    # x[d] decides only relaxable or sampled positions; strict greedy ones skip this dependent load.
+    xd_mask = is_pos & (relax_on | ~greedy_v)
+    xd = tl.load(logits_ptr + b * stride_lb + offs_k * stride_lr + d, mask=xd_mask, other=float("-inf"))
+    xd = _scaled(xd, temp)
+    pd = tl.exp(xd - lse)
+    pmax = tl.exp(m - lse)
     relaxed = (
         relax_on
         & (xd > float("-inf"))
