@@ -31,11 +31,6 @@ if has tests; then
   note "tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" | tail -1)"
 fi
 
-if has acceptance; then
-  timeout "${ACCEPTANCE_TIMEOUT:-120}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" \
-    2>&1 | tee "$OUT/acceptance.log"
-  note "acceptance: exit ${PIPESTATUS[0]}"
-fi
 
 if has spec_round; then
   timeout "${SPEC_ROUND_TIMEOUT:-150}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
@@ -58,6 +53,16 @@ if has tune; then
   timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" 2>&1 \
     | tee "$OUT/tune.log" | tail -n 12
   note "tune: exit ${PIPESTATUS[0]}"
+fi
+
+# After tune (when both run): the benchmark uses the shape the tune found best.
+if has acceptance; then
+  cfg=()
+  [ -f "$OUT/tune.json" ] && cfg=(--stats-config "$($PY -c 'import json,sys; b=json.load(open(sys.argv[1]))["best"]
+print(",".join(str(b[k]) for k in ("tile","vec","warps","pps")))' "$OUT/tune.json")")
+  timeout "${ACCEPTANCE_TIMEOUT:-240}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" "${cfg[@]}" \
+    2>&1 | tee "$OUT/acceptance.log"
+  note "acceptance: exit ${PIPESTATUS[0]} ${cfg[*]}"
 fi
 
 if has profile; then
