@@ -212,20 +212,16 @@ def main() -> None:
     ap.add_argument("--max-buffers", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
-    ap.add_argument(
-        "--stats-config", help="tile,vec,warps,programs_per_sm of the stats pass (default: the module's)"
-    )
+    ap.add_argument("--stats-config", help="tile,vec,warps,maxnreg of the stats pass (default: the module's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_acceptance needs a CUDA device")
     from thinkspec.sampling import rejection_triton as rt
 
     if args.stats_config:
-        rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.PROGRAMS_PER_SM = map(
-            int, args.stats_config.split(",")
-        )
+        rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.STATS_MAXNREG = map(int, args.stats_config.split(","))
     stats_config = dict(
-        tile=rt.STATS_TILE, vec=rt.STATS_VEC, warps=rt.STATS_WARPS, programs_per_sm=rt.PROGRAMS_PER_SM,
+        tile=rt.STATS_TILE, vec=rt.STATS_VEC, warps=rt.STATS_WARPS, maxnreg=rt.STATS_MAXNREG,
         fuse_accept=rt.FUSE_ACCEPT,
     )  # fmt: skip
     bandwidth = copy_bandwidth(args.warmup, args.rep)

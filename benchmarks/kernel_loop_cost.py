@@ -45,7 +45,7 @@ def disassemble(dtype: str, tile: int, vec: int, warps: int) -> str:
             sig[p.name] = "i32"
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
-    constexprs = {"TILE": tile, "VEC": vec, "FUSE": rt.FUSE_ACCEPT, "HAS_Q": False, "NC_P2": 16, "K1_P2": 8}
+    constexprs = {"TILE": tile, "VEC": vec, "FUSE": rt.FUSE_ACCEPT, "HAS_Q": False, "K1_P2": 8}
     src = ASTSource(fn=rt._row_stats_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as tmp:

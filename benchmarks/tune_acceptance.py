@@ -1,12 +1,13 @@
-"""Launch-shape sweep for the fused acceptance kernel's stats pass (strict greedy, the hot path).
+"""Launch-shape sweep for the fused acceptance kernel's stats pass (greedy rows, the hot path).
 
-For each (tile, warps, programs per SM) it times `rejection_sample_triton(..., all_greedy=True)` as
-CUDA-graph replays two ways, on inputs rotating over enough fresh buffers that no call hits L2:
+For each (tile, entries per lane, warps, register cap, fused accept or not) and strict or relaxable
+rows, it times `rejection_sample_triton(..., all_greedy=True)` as CUDA-graph replays two ways, on
+inputs rotating over enough fresh buffers that no call hits L2:
   flushed   triton.testing.do_bench median (L2 flushed by a 256 MB write before every call, so the
             kernel also pays for writing those dirty lines back)
   b2b       N replays back to back between two events, divided by N (as a round runs them)
-and reports each against the HBM floor (logits bytes / measured copy bandwidth). It also times the
-stats launch alone, to split the cost between the two launches.
+and reports each against the HBM floor (logits bytes / measured copy bandwidth) and a plain read
+kernel. `best` in the JSON is the shape whose worst b2b ratio over all cases is lowest.
 
 Usage: python benchmarks/tune_acceptance.py --out tune.json [--rows 320,1280] [--dtypes bf16,fp32]
 """
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="1024,2048,4096")
     ap.add_argument("--vecs", default="4,8", help="entries per lane and step (STATS_VEC)")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--programs-per-sm", default="16,32")
+    ap.add_argument("--maxnreg", default="40,48", help="STATS_MAXNREG values")
     ap.add_argument("--relax", default="0", help="relax_mask values (0: strict rows, 1: relaxable rows)")
     ap.add_argument("--fuse", default="0,1", help="FUSE_ACCEPT values (1: no second launch)")
     ap.add_argument("--replays", type=int, default=40)
@@ -110,22 +111,29 @@ def main() -> None:
             print(
                 json.dumps(dict(dtype=dt, rows=rows, read_kernel_us=read_b2b, read_kernel_x=read_b2b / floor))
             )
-            for relax, tile, vec, warps, pps, fuse in itertools.product(
+            for relax, tile, vec, warps, maxnreg, fuse in itertools.product(
                 map(int, args.relax.split(",")), map(int, args.tiles.split(",")),
                 map(int, args.vecs.split(",")), map(int, args.warps.split(",")),
-                map(int, args.programs_per_sm.split(",")), map(int, args.fuse.split(",")),
+                map(int, args.maxnreg.split(",")), map(int, args.fuse.split(",")),
             ):  # fmt: skip
                 if ref is not None and ref[2] != relax:
                     ref = None
                 common["relax_mask"].fill_(bool(relax))
-                rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.PROGRAMS_PER_SM = tile, vec, warps, pps
+                rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.STATS_MAXNREG = tile, vec, warps, maxnreg
                 rt.FUSE_ACCEPT = bool(fuse)
                 try:
                     res = rt.rejection_sample_triton(*bufs[0], **common, all_greedy=True)
                     torch.cuda.synchronize()
                 except Exception as e:  # a launch shape the compiler refuses: record and go on
                     cfg = dict(
-                        dtype=dt, rows=rows, relax=relax, tile=tile, vec=vec, warps=warps, pps=pps, fuse=fuse
+                        dtype=dt,
+                        rows=rows,
+                        relax=relax,
+                        tile=tile,
+                        vec=vec,
+                        warps=warps,
+                        maxnreg=maxnreg,
+                        fuse=fuse,
                     )
                     results.append({**cfg, "error": str(e)[:200]})
                     continue
@@ -134,7 +142,7 @@ def main() -> None:
                     ref = out
                 elif not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
                     raise RuntimeError(
-                        f"tile={tile} vec={vec} w={warps} pps={pps} fuse={fuse} changed the result"
+                        f"tile={tile} vec={vec} w={warps} maxnreg={maxnreg} fuse={fuse} changed the result"
                     )
                 fns = [lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
                        for lg, d in bufs]  # fmt: skip
@@ -149,7 +157,7 @@ def main() -> None:
                     tile=tile,
                     vec=vec,
                     warps=warps,
-                    pps=pps,
+                    maxnreg=maxnreg,
                     fuse=fuse,
                     nc=nc,
                     read_kernel_us=read_b2b,
@@ -168,18 +176,18 @@ def main() -> None:
     ok = [r for r in results if "error" not in r]
     configs: dict[tuple, list[float]] = {}
     for r in ok:
-        configs.setdefault((r["tile"], r["vec"], r["warps"], r["pps"], r["fuse"]), []).append(r["b2b_x"])
+        configs.setdefault((r["tile"], r["vec"], r["warps"], r["maxnreg"], r["fuse"]), []).append(r["b2b_x"])
     n_cases = max(map(len, configs.values()))
-    tile, vec, warps, pps, fuse = min(
+    tile, vec, warps, maxnreg, fuse = min(
         (c for c, xs in configs.items() if len(xs) == n_cases), key=lambda c: max(configs[c])
     )
     best = dict(
         tile=tile,
         vec=vec,
         warps=warps,
-        pps=pps,
+        maxnreg=maxnreg,
         fuse=fuse,
-        worst_b2b_x=max(configs[(tile, vec, warps, pps, fuse)]),
+        worst_b2b_x=max(configs[(tile, vec, warps, maxnreg, fuse)]),
     )
     report = dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -197,7 +205,7 @@ def main() -> None:
     ):
         case = [r for r in ok if r["dtype"] == dt and r["rows"] == rows and r["relax"] == relax]
         top = "; ".join(
-            f"tile {r['tile']} v{r['vec']} w{r['warps']} pps {r['pps']} fuse {r['fuse']}: "
+            f"tile {r['tile']} v{r['vec']} w{r['warps']} maxnreg {r['maxnreg']} fuse {r['fuse']}: "
             f"b2b {r['b2b_x']:.2f}x flushed {r['flushed_x']:.2f}x"
             for r in sorted(case, key=lambda r: r["b2b_x"])[:3]
         )

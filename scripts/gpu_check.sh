@@ -59,7 +59,7 @@ fi
 if has acceptance; then
   cfg=()
   [ -f "$OUT/tune.json" ] && cfg=(--stats-config "$($PY -c 'import json,sys; b=json.load(open(sys.argv[1]))["best"]
-print(",".join(str(b[k]) for k in ("tile","vec","warps","pps")))' "$OUT/tune.json")")
+print(",".join(str(b[k]) for k in ("tile","vec","warps","maxnreg")))' "$OUT/tune.json")")
   timeout "${ACCEPTANCE_TIMEOUT:-240}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" "${cfg[@]}" \
     2>&1 | tee "$OUT/acceptance.log"
   note "acceptance: exit ${PIPESTATUS[0]} ${cfg[*]}"

@@ -98,7 +98,6 @@ def small_tiles(monkeypatch, request):
     monkeypatch.setattr(rt, "MAX_TILE", 8)
     monkeypatch.setattr(rt, "STATS_TILE", 8)
     monkeypatch.setattr(rt, "STATS_VEC", vec)
-    monkeypatch.setattr(rt, "PROGRAMS_PER_SM", 8)
     monkeypatch.setattr(rt, "FUSE_ACCEPT", fuse)
 
 
@@ -111,6 +110,19 @@ def test_interp_greedy_matches_reference(small_tiles, k, v):
     _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))  # counts were reset
     for buf in rt._COUNTERS.get(torch.device("cpu"), []):
         assert not buf.any()
+
+
+@interp
+def test_interp_many_chunks_per_row(small_tiles):
+    # More chunk partials per row than the accept step reduces at once (NC_BLOCK): its running
+    # max / lowest index / count / sum-exp merge across blocks, with ties and deltas in play.
+    gen = torch.Generator().manual_seed(77)
+    kw = _greedy_batch(gen, 2, 1, 240, n=torch.ones(2, dtype=torch.long))
+    _, nc, _ = rt._stats_split(2 * 2, 240, torch.device("cpu"))
+    assert nc > rt.NC_BLOCK
+    for _ in range(3):
+        kw = _greedy_batch(gen, 2, 1, 240, n=torch.ones(2, dtype=torch.long))
+        _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
 
 
 @interp

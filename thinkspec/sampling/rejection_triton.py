@@ -40,10 +40,15 @@ NUM_WARPS = 8
 STATS_TILE = 1024
 STATS_VEC = 8
 STATS_WARPS = 4
-PROGRAMS_PER_SM = 16
+# Registers per thread the stats launch is held to (the loops need 40 at the shape above; checked
+# spill-free in tests/test_kernels_compile.py). Knowing it fixes how many programs fit on an SM at
+# once, so the grid is one full wave: a second, partial wave of long programs costs about as
+# much as the first (measured on the H200: 1.41 waves 1.56x the floor, 0.81 waves 1.39x).
+STATS_MAXNREG = 40
 # The stats launch also runs the accept logic (last-block pattern) instead of a second launch.
 FUSE_ACCEPT = True
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
+NC_BLOCK: tl.constexpr = tl.constexpr(16)  # chunk partials the accept step reduces per step
 
 
 @triton.jit
@@ -70,9 +75,11 @@ def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl
         x = tl.load(base + offs, mask=offs < end, other=float("-inf"))
         if WITH_SUM:
             x = _scaled(x, temp)
+            m_v = tl.max(x, 1)  # [LANES]
         else:
-            x = x.to(tl.float32)
-        m_v = tl.max(x, 1)  # [LANES]
+            # Unscaled greedy rows: max and compare are exact in the logits' own dtype (x[d] is one
+            # of them), so bf16 / fp16 rows run on packed two-entry instructions.
+            m_v = tl.max(x, 1).to(tl.float32)
         acc_t = tl.where(m_v > acc_m, t, acc_t)  # strict: a lane keeps the first step with its max
         new_m = tl.maximum(acc_m, m_v)
         if WITH_SUM:
@@ -80,7 +87,7 @@ def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl
             acc_s = acc_s * tl.exp(acc_m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
         acc_m = new_m
         if WITH_CNT:
-            acc_c += tl.sum((x > xd).to(tl.int32), 1)
+            acc_c += tl.sum((x > xd.to(x.dtype)).to(tl.int32), 1)
     return acc_m, acc_t, acc_c, acc_s
 
 
@@ -117,7 +124,6 @@ def _row_stats_kernel(
     VEC: tl.constexpr,  # neighbouring entries per lane and step (a power of two dividing TILE)
     FUSE: tl.constexpr,  # the request's last program to finish runs _accept_request (no 2nd launch)
     HAS_Q: tl.constexpr,
-    NC_P2: tl.constexpr,
     K1_P2: tl.constexpr,
 ):
     # One program streams one chunk of one row in TILE-wide steps (_stats_loop), finds the lowest
@@ -183,7 +189,7 @@ def _row_stats_kernel(
             _accept_request(
                 b.to(tl.int64), logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr,
                 ratio_ptr, topk_ptr, delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr,
-                psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, NC_P2, K1_P2,
+                psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, K1_P2,
             )  # fmt: skip
 
 
@@ -215,7 +221,6 @@ def _accept_request(
     K,
     NC,
     HAS_Q: tl.constexpr,
-    NC_P2: tl.constexpr,
     K1_P2: tl.constexpr,
 ):
     # All K+1 rows of the request at once (no serial chain of loads): [K1_P2] per-row vectors.
@@ -229,18 +234,30 @@ def _accept_request(
     is_row = offs_k < K + 1
     is_pos = offs_k < K
 
-    # Reduce the tile partials of every row: [K1_P2, NC_P2] -> [K1_P2].
-    offs_c = tl.arange(0, NC_P2)
-    part = (b * (K + 1) + offs_k)[:, None] * NC + offs_c[None, :]
-    pmask = is_row[:, None] & (offs_c < NC)[None, :]
-    pm = tl.load(pmax_ptr + part, mask=pmask, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(pm, 1)
-    pi = tl.load(pidx_ptr + part, mask=pmask, other=_INT32_MAX, cache_modifier=".cg")
-    g = tl.min(tl.where(pm == m[:, None], pi, _INT32_MAX), 1)  # lowest index among tiles holding the max
-    cnt = tl.sum(tl.load(pcnt_ptr + part, mask=pmask, other=0, cache_modifier=".cg"), 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    ps = tl.load(psum_ptr + part, mask=pmask, other=0.0, cache_modifier=".cg")
-    lse = m + tl.log(tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - m_safe[:, None])), 1))
+    # Reduce the chunk partials of every row, [K1_P2, NC] -> [K1_P2], NC_BLOCK chunks at a time (a
+    # fixed block keeps the registers of the fused stats kernel independent of NC).
+    m = tl.full([K1_P2], float("-inf"), tl.float32)
+    g = tl.full([K1_P2], _INT32_MAX, tl.int32)  # lowest index among chunks holding the max
+    cnt = tl.zeros([K1_P2], tl.int32)
+    ssum = tl.zeros([K1_P2], tl.float32)  # sum exp(x - m)
+    for c0 in range(0, NC, NC_BLOCK):
+        offs_c = c0 + tl.arange(0, NC_BLOCK)
+        part = (b * (K + 1) + offs_k)[:, None] * NC + offs_c[None, :]
+        pmask = is_row[:, None] & (offs_c < NC)[None, :]
+        pm = tl.load(pmax_ptr + part, mask=pmask, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(pidx_ptr + part, mask=pmask, other=_INT32_MAX, cache_modifier=".cg")
+        pc = tl.load(pcnt_ptr + part, mask=pmask, other=0, cache_modifier=".cg")
+        ps = tl.load(psum_ptr + part, mask=pmask, other=0.0, cache_modifier=".cg")
+        bm = tl.max(pm, 1)
+        bg = tl.min(tl.where(pm == bm[:, None], pi, _INT32_MAX), 1)
+        g = tl.where(bm > m, bg, tl.where(bm == m, tl.minimum(g, bg), g))
+        new_m = tl.maximum(m, bm)
+        safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+        blk = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - safe[:, None])), 1)
+        ssum = ssum * tl.exp(m - safe) + blk
+        m = new_m
+        cnt += tl.sum(pc, 1)
+    lse = m + tl.log(ssum)
 
     d_raw = tl.load(draft_ptr + b * K + offs_k, mask=is_pos, other=0)
     d = tl.minimum(tl.maximum(d_raw, 0), V - 1)
@@ -292,13 +309,13 @@ def _accept_kernel(
     logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr, ratio_ptr, topk_ptr,
     delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, out_ptr, nacc_ptr,
     flag_ptr, emit_lse_ptr, V, K, NC,
-    HAS_Q: tl.constexpr, NC_P2: tl.constexpr, K1_P2: tl.constexpr,
+    HAS_Q: tl.constexpr, K1_P2: tl.constexpr,
 ):  # fmt: skip
     # grid (B,): the same arguments as _accept_request
     _accept_request(
         tl.program_id(0).to(tl.int64), logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr,
         temp_ptr, ratio_ptr, topk_ptr, delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr,
-        psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, NC_P2, K1_P2,
+        psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, K1_P2,
     )  # fmt: skip
 
 
@@ -394,18 +411,24 @@ def _tile(v: int) -> int:
     return min(MAX_TILE, max(16, triton.next_power_of_2(v)))
 
 
-def _stats_split(rows: int, v: int, device: torch.device) -> tuple[int, int, int]:
-    """(tile, chunks per row, chunk length) for the stats pass: enough programs to fill the GPU a
-    few times over, each streaming a long chunk; fixed by the shape, so graph capture holds."""
-    tile = min(STATS_TILE, max(16, triton.next_power_of_2(v)))
+def _resident_programs(device: torch.device) -> int:
+    """Stats programs resident on the whole GPU at once: SMs x min(block limit, warp slots, the
+    register file / (STATS_MAXNREG, rounded up to 8, x threads per program))."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    nc = min(triton.cdiv(v, tile), max(1, triton.cdiv(PROGRAMS_PER_SM * sms, rows)))
+    warps_by_regs = 65536 // (triton.cdiv(STATS_MAXNREG, 8) * 8 * 32)
+    return sms * max(1, min(32, 64 // STATS_WARPS, warps_by_regs // STATS_WARPS))
+
+
+def _stats_split(rows: int, v: int, device: torch.device) -> tuple[int, int, int]:
+    """(tile, chunks per row, chunk length) for the stats pass: as many chunks per row as keep all
+    rows x chunks programs in one wave (one chunk per row when the rows alone fill it), each
+    streaming a long chunk; fixed by the shape, so graph capture holds."""
+    tile = min(STATS_TILE, max(16, triton.next_power_of_2(v)))
+    nc = max(1, min(triton.cdiv(v, tile), _resident_programs(device) // rows))
     chunk = triton.cdiv(triton.cdiv(v, nc), tile) * tile
     return tile, triton.cdiv(v, chunk), chunk
 
 
-# Per device, every counter buffer ever handed out (the newest last): captured graphs keep raw
-# pointers to older ones, so none is freed.
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -499,14 +522,14 @@ def rejection_sample_triton(
     _row_stats_kernel[(rows, nc)](
         logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum,
         ndraft, ratio, top_k, q, seeds, seed_offset, out, nacc, flags, emit_lse, count, v, k, nc, chunk,
-        TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), FUSE=fuse, HAS_Q=has_q, NC_P2=nc_p2,
-        K1_P2=_p2(k + 1), num_warps=STATS_WARPS,
+        TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), FUSE=fuse, HAS_Q=has_q,
+        K1_P2=_p2(k + 1), num_warps=STATS_WARPS, **({"maxnreg": STATS_MAXNREG} if dev.type == "cuda" else {}),
     )  # fmt: skip
     if not fuse:
         _accept_kernel[(b,)](
             logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
             pmax, pidx, pcnt, psum, out, nacc, flags, emit_lse, v, k, nc,
-            HAS_Q=has_q, NC_P2=nc_p2, K1_P2=_p2(k + 1), num_warps=2,
+            HAS_Q=has_q, K1_P2=_p2(k + 1), num_warps=2,
         )  # fmt: skip
     if not all_greedy:
         nc = triton.cdiv(v, tile)  # the race runs one tile per program
