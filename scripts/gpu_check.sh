@@ -50,7 +50,7 @@ if has graphs; then
 fi
 
 if has tune; then
-  timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" 2>&1 \
+  timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 \
     | tee "$OUT/tune.log" | tail -n 12
   note "tune: exit ${PIPESTATUS[0]}"
 fi

@@ -33,18 +33,18 @@ from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, c
 MAX_TILE = 8192
 NUM_WARPS = 8
 # The stats pass streams chunks of a row per program (see _stats_split). Each lane reads VEC
-# neighbours per step (16-byte loads for bf16 at VEC 8); the loops issue 2.5 instructions per entry
-# on strict greedy rows and 7.5 on relaxable ones (benchmarks/kernel_loop_cost.py), so they are
-# bound by memory. The shape is the fastest of benchmarks/tune_acceptance.py's grid on the H200
-# across bf16/fp32 and 320/1280 rows (docs/BENCHMARKS.md).
+# neighbours per step; the greedy loops issue 3.7 (strict) and 6.6 (relaxable) instructions per bf16
+# entry (benchmarks/kernel_loop_cost.py), so they are bound by memory, not issue. The shape is the
+# one with the lowest worst-case time over bf16/fp32 x 320/1280 rows in benchmarks/tune_acceptance.py
+# on the H200 (docs/BENCHMARKS.md).
 STATS_TILE = 1024
-STATS_VEC = 8
-STATS_WARPS = 4
-# Registers per thread the stats launch is held to (the loops need 40 at the shape above; checked
-# spill-free in tests/test_kernels_compile.py). Knowing it fixes how many programs fit on an SM at
-# once, so the grid is one full wave: a second, partial wave of long programs costs about as
-# much as the first (measured on the H200: 1.41 waves 1.56x the floor, 0.81 waves 1.39x).
-STATS_MAXNREG = 40
+STATS_VEC = 4
+STATS_WARPS = 8
+# Registers per thread the stats launch is held to (checked spill-free in the loops by
+# tests/test_kernels_compile.py). It fixes how many programs fit on an SM at once, so the grid can
+# be one full wave: a second, partial wave of long programs costs about as much as the first
+# (measured on the H200 at 320 rows: 1.41 waves 1.56x the floor, 0.81 waves 1.39x).
+STATS_MAXNREG = 48
 # The stats launch also runs the accept logic (last-block pattern) instead of a second launch.
 FUSE_ACCEPT = True
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)  # globals read by kernels must be constexpr
