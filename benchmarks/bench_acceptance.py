@@ -38,14 +38,14 @@ import triton.language as tl
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
+def bench_us(fn: Callable[[], object], warmup: int, rep: int) -> float:
     """Median time of fn in microseconds."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
 
 
-def _back_to_back(fn: Callable[[], object], n: int) -> float:
+def back_to_back_us(fn: Callable[[], object], n: int) -> float:
     """Mean time per call in microseconds of n calls issued back to back (best of 3 runs), as a
     round issues them: no L2 flush in between, so no dirty flush lines to write back either."""
     fn()
@@ -83,7 +83,7 @@ def copy_bandwidth(warmup: int, rep: int) -> float:
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    us = _bench(lambda: dst.copy_(src), warmup, rep)
+    us = bench_us(lambda: dst.copy_(src), warmup, rep)
     return 2 * n / (us * 1e-6)
 
 
@@ -95,7 +95,7 @@ def seed_style(logits: torch.Tensor, drafts: torch.Tensor, top_k: int, ratio: fl
     return (top_i == drafts[:, None]).any(-1) & (p_d >= ratio * top_p[:, 0])
 
 
-def _graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
+def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
     """One CUDA graph per input buffer, replayed in rotation."""
     graphs = []
     for call in calls:
@@ -173,17 +173,17 @@ def run_case(dtype_name: str, rows: int, args: argparse.Namespace, bandwidth: fl
             [lambda lg=lg, d=d: seed_style(lg, d, args.top_k, args.ratio) for lg, d in flat]
         ),
         "torch_amax": _rotating([lambda lg=lg: lg.amax(-1) for lg, _ in flat]),
-        "read_kernel": _graphed([lambda lg=lg: read_max(lg) for lg, _ in flat]),
+        "read_kernel": graphed([lambda lg=lg: read_max(lg) for lg, _ in flat]),
     }
     for name, (p, extra) in variants.items():
         calls = [lambda lg=lg, d=d, p=p, extra=extra: rejection_sample(lg, d, **p, **extra) for lg, d in bufs]
-        fns[name] = _graphed(calls)
+        fns[name] = graphed(calls)
     p, extra = variants["strict"]
     fns["strict_eager"] = _rotating(
         [lambda lg=lg, d=d: rejection_sample(lg, d, **p, **extra) for lg, d in bufs]
     )
-    t = {name: _bench(fn, args.warmup, args.rep) for name, fn in fns.items()}
-    t_b2b = {name: _back_to_back(fn, 2 * nbuf) for name, fn in fns.items()}
+    t = {name: bench_us(fn, args.warmup, args.rep) for name, fn in fns.items()}
+    t_b2b = {name: back_to_back_us(fn, 2 * nbuf) for name, fn in fns.items()}
 
     floor = nbytes / bandwidth * 1e6  # one read of the logits at the measured copy rate
     del bufs, flat

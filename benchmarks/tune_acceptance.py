@@ -22,38 +22,7 @@ import sys
 import time
 
 import torch
-import triton.testing
-from bench_acceptance import DTYPES, copy_bandwidth, read_max
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def time_graphs(graphs: list[torch.cuda.CUDAGraph], n: int) -> tuple[float, float]:
-    """(flushed median us, back-to-back mean us) over the rotating graphs."""
-    cyc = itertools.cycle(graphs)
-    flushed = float(
-        triton.testing.do_bench(lambda: next(cyc).replay(), warmup=20, rep=100, return_mode="median")
-    )
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(3):
-        start.record()
-        for i in range(n):
-            graphs[i % len(graphs)].replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / n)
-    return flushed * 1e3, best * 1e3
+from bench_acceptance import DTYPES, back_to_back_us, bench_us, copy_bandwidth, graphed, read_max
 
 
 def main() -> None:
@@ -105,9 +74,7 @@ def main() -> None:
             )
             floor = nbytes / bw * 1e6
             ref = None
-            read = [_graph(lambda lg=lg: read_max(lg)) for lg, _ in bufs]
-            read_b2b = time_graphs(read, args.replays)[1]
-            del read
+            read_b2b = back_to_back_us(graphed([lambda lg=lg: read_max(lg) for lg, _ in bufs]), args.replays)
             print(
                 json.dumps(dict(dtype=dt, rows=rows, read_kernel_us=read_b2b, read_kernel_x=read_b2b / floor))
             )
@@ -121,47 +88,32 @@ def main() -> None:
                 common["relax_mask"].fill_(bool(relax))
                 rt.STATS_TILE, rt.STATS_VEC, rt.STATS_WARPS, rt.STATS_MAXNREG = tile, vec, warps, maxnreg
                 rt.FUSE_ACCEPT = bool(fuse)
+                cfg = dict(dtype=dt, rows=rows, relax=relax, tile=tile, vec=vec, warps=warps, maxnreg=maxnreg)
+                cfg["fuse"] = fuse
                 try:
                     res = rt.rejection_sample_triton(*bufs[0], **common, all_greedy=True)
                     torch.cuda.synchronize()
                 except Exception as e:  # a launch shape the compiler refuses: record and go on
-                    cfg = dict(
-                        dtype=dt,
-                        rows=rows,
-                        relax=relax,
-                        tile=tile,
-                        vec=vec,
-                        warps=warps,
-                        maxnreg=maxnreg,
-                        fuse=fuse,
-                    )
                     results.append({**cfg, "error": str(e)[:200]})
                     continue
                 out = (res.num_accepted.clone(), res.output_token_ids.clone(), relax)
                 if ref is None:
                     ref = out
                 elif not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
-                    raise RuntimeError(
-                        f"tile={tile} vec={vec} w={warps} maxnreg={maxnreg} fuse={fuse} changed the result"
-                    )
-                fns = [lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
-                       for lg, d in bufs]  # fmt: skip
-                graphs = [_graph(fn) for fn in fns]
-                flushed, b2b = time_graphs(graphs, args.replays)
-                del graphs
-                tile_, nc, chunk = rt._stats_split(rows, v, torch.device("cuda"))
+                    raise RuntimeError(f"{cfg} changed the result")
+                calls = [
+                    lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
+                    for lg, d in bufs
+                ]
+                fn = graphed(calls)
+                flushed = bench_us(fn, warmup=20, rep=100)
+                b2b = back_to_back_us(fn, args.replays)
+                _, nc, chunk = rt._stats_split(rows, v, torch.device("cuda"))
                 r = dict(
-                    dtype=dt,
-                    rows=rows,
-                    relax=relax,
-                    tile=tile,
-                    vec=vec,
-                    warps=warps,
-                    maxnreg=maxnreg,
-                    fuse=fuse,
+                    **cfg,
                     nc=nc,
-                    read_kernel_us=read_b2b,
                     chunk=chunk,
+                    read_kernel_us=read_b2b,
                     floor_us=floor,
                     flushed_us=flushed,
                     b2b_us=b2b,
