@@ -117,11 +117,10 @@ def test_interp_many_chunks_per_row(small_tiles):
     # More chunk partials per row than the accept step reduces at once (NC_BLOCK): its running
     # max / lowest index / count / sum-exp merge across blocks, with ties and deltas in play.
     gen = torch.Generator().manual_seed(77)
-    kw = _greedy_batch(gen, 2, 1, 240, n=torch.ones(2, dtype=torch.long))
-    _, nc, _ = rt._stats_split(2 * 2, 240, torch.device("cpu"))
+    _, nc, _ = rt._stats_split(1 * 2, 400, torch.device("cpu"))
     assert nc > rt.NC_BLOCK
     for _ in range(3):
-        kw = _greedy_batch(gen, 2, 1, 240, n=torch.ones(2, dtype=torch.long))
+        kw = _greedy_batch(gen, 1, 1, 400, n=torch.ones(1, dtype=torch.long))
         _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
 
 
