@@ -9,6 +9,8 @@
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
+#   step        one 8B-shaped engine step split into host phases and device busy/idle time, at each
+#               batch of STEP_BATCHES (default "1 16")
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
 #               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
@@ -63,6 +65,14 @@ print(",".join(str(b[k]) for k in ("tile","vec","warps","maxnreg")))' "$OUT/tune
   timeout "${ACCEPTANCE_TIMEOUT:-240}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" "${cfg[@]}" \
     2>&1 | tee "$OUT/acceptance.log"
   note "acceptance: exit ${PIPESTATUS[0]} ${cfg[*]}"
+fi
+
+if has step; then
+  for bs in ${STEP_BATCHES:-1 16}; do
+    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" --out "$OUT/step_bs$bs.json" \
+      2>&1 | tee -a "$OUT/step.log" | tail -n 20
+    note "step batch $bs: exit ${PIPESTATUS[0]}"
+  done
 fi
 
 if has profile; then
@@ -125,7 +135,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round throughput acceptance toy_quality sweep; do
+for f in spec_round throughput acceptance step toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

@@ -1,0 +1,142 @@
+"""Where one engine step goes at a given batch: phases on the host, busy and idle time on the device.
+
+Builds the engine on Qwen3-8B-shaped random weights (`--small` for a CPU smoke test), starts
+--batch requests of --prompt-len random tokens (greedy, EOS ignored), runs --warmup steps, then
+times --steps steady-state decode steps two ways:
+  phases    wall time of each engine.step split into schedule, execute_model (input packing, graph
+            replay or eager forward, logits), sample (the sampler's launches), wait + commit (the
+            rest: the device->host copy of the tokens, which waits for the device, and the
+            scheduler's postprocess and outputs), each the median over the steps (ms)
+  device    the same steps under torch.profiler (CUDA only): device busy time per step (sum of
+            kernel and copy durations), idle = wall - busy, and the kernels outside CUDA graphs
+Writes JSON (--out) and prints a short table last.
+
+    python benchmarks/profile_step.py --out step.json                       # H200, batch 1
+    python benchmarks/profile_step.py --small --device cpu --steps 5        # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from bench_spec_round import QWEN3_8B, SMALL_TARGET, write_config
+
+from thinkspec import LLM, SamplingParams
+
+
+def _timed(obj: object, name: str, sink: dict[str, float]) -> None:
+    """Wrap obj.name so each call adds its wall time (ms) to sink[name]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sink[name] += (time.perf_counter() - t0) * 1e3
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--engine-args", default="{}", help="extra LLM(...) keyword arguments as JSON")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    vocab = 1024 if args.small else 151936
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
+        llm = LLM(
+            folder, device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16",
+            load_format="dummy", skip_tokenizer_init=True, max_num_seqs=max(args.batch, 1),
+            max_model_len=args.prompt_len + args.warmup + 2 * args.steps + 16, **json.loads(args.engine_args),
+        )  # fmt: skip
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.warmup + 2 * args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+        engine.add_request({"prompt_token_ids": ids}, params, str(i))
+    for _ in range(args.warmup):  # prefill, then decode steps: graphs for this batch are captured
+        engine.step()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sums: dict[str, float] = defaultdict(float)
+    _timed(engine.scheduler, "schedule", sums)
+    _timed(engine.model_runner, "execute_model", sums)
+    _timed(engine, "sampler", sums)
+    rows = []
+    for _ in range(args.steps):
+        sums.clear()
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        wall = (time.perf_counter() - t0) * 1e3
+        rows.append(dict(wall=wall, **sums))
+    phases = {
+        "step": statistics.median(r["wall"] for r in rows),
+        "schedule": statistics.median(r["schedule"] for r in rows),
+        "execute_model": statistics.median(r["execute_model"] for r in rows),
+        "sample": statistics.median(r["sampler"] for r in rows),
+        "wait_and_commit": statistics.median(
+            r["wall"] - r["schedule"] - r["execute_model"] - r["sampler"] for r in rows
+        ),
+    }
+
+    device_stats = None
+    if device.type == "cuda":
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        sync()
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+        wall = (time.perf_counter() - t0) * 1e3 / args.steps
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in events) / 1e3 / args.steps  # us -> ms
+        by_name: dict[str, float] = defaultdict(float)
+        for e in events:
+            by_name[e.name] += e.device_time / 1e3 / args.steps
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+        device_stats = dict(
+            wall_ms_per_step=wall, busy_ms_per_step=busy, idle_ms_per_step=wall - busy,
+            kernels_per_step=len(events) / args.steps, top_kernels_ms_per_step=dict(top),
+        )  # fmt: skip
+
+    floor_ms = sum(t.numel() * t.element_size() for t in engine.model.parameters()) / 4.21e12 * 1e3
+    result = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        shape="small" if args.small else "Qwen3-8B", batch=args.batch, prompt_len=args.prompt_len,
+        steps=args.steps, floor_ms=floor_ms, phases_ms=phases, device_profile=device_stats,
+    )  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"engine step, {result['shape']}, batch {args.batch}, floor {floor_ms:.2f} ms (medians, ms)")
+    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    if device_stats:
+        d = device_stats
+        print(f"  profiled: wall {d['wall_ms_per_step']:.3f}  device busy {d['busy_ms_per_step']:.3f}  "
+              f"idle {d['idle_ms_per_step']:.3f}  kernels/step {d['kernels_per_step']:.0f}")  # fmt: skip
+        for name, ms in d["top_kernels_ms_per_step"].items():
+            print(f"    {ms:8.3f}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
