@@ -1,12 +1,13 @@
-"""Static cost of the acceptance kernel's streaming loops, from its sm_90 machine code (no GPU needed).
+"""Static cost of the acceptance kernel's loops, from its sm_90 machine code (no GPU needed).
 
 Compiles `_row_stats_kernel` for an H100/H200 target with Triton's own ptxas (the PyPI wheel
 ships it), disassembles it with nvdisasm, finds every loop that reads global memory and reports
 its instructions per vocabulary entry: one line per loop version (strict greedy, relaxed greedy
-with the rank count, and the sum-exp loop of sampled / delta rows, marked "exp"). When the pass
-is bound by instruction issue rather than bandwidth (bf16 rows), this count moves its time.
+with the rank count, and the sum-exp loop of sampled / delta rows), plus the fused accept step's
+loop over chunk partials (marked "accept"; its "entries" are partials, not logits). Were the pass
+bound by instruction issue rather than bandwidth, this count would move its time.
 
-    python benchmarks/kernel_loop_cost.py --dtype bf16 --tile 2048 --vec 8 --warps 4
+    python benchmarks/kernel_loop_cost.py --dtype bf16 --tile 1024 --vec 4 --warps 8
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def loops(sass: str, entry_bytes: int) -> list[dict]:
             ops = Counter(re.search(r"\*/\s+(?:@!?P\d\s+)?([A-Z0-9]+)", x).group(1) for x in body)
             entries = nbytes // entry_bytes
             found.append(dict(instructions=len(body), entries=entries, per_entry=len(body) / entries,
-                              exp="MUFU" in ops, top_ops=ops.most_common(6)))  # fmt: skip
+                              exp="MUFU" in ops, barrier="BAR" in ops,
+                              top_ops=ops.most_common(6)))  # fmt: skip
     return found
 
 
@@ -90,7 +92,8 @@ def main() -> None:
     sass = disassemble(args.dtype, args.tile, args.vec, args.warps)
     print(f"{args.dtype} tile {args.tile} vec {args.vec} warps {args.warps}")
     for lp in loops(sass, 4 if args.dtype == "fp32" else 2):
-        kind = "sum-exp" if lp["exp"] else "greedy"
+        # The accept step's loop over chunk partials reduces across warps (barriers); not a stream.
+        kind = "accept" if lp["barrier"] else "sum-exp" if lp["exp"] else "greedy"
         print(f"  {kind:8} loop: {lp['instructions']:4} instructions / {lp['entries']:3} entries = "
               f"{lp['per_entry']:.2f} per entry; {lp['top_ops']}")  # fmt: skip
 
