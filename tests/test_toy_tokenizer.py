@@ -23,10 +23,8 @@ def test_special_tokens_are_single_and_first(tok):
         assert tok(f"a {t} b", add_special_tokens=False)["input_ids"].count(i) == 1
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     # Think markers survive skip_special_tokens (as in Qwen3); the chat markers do not.
-    text = tok.decode(
-        tok("<|im_start|>x<think>\ny\n</think>", add_special_tokens=False)["input_ids"],
-        skip_special_tokens=True,
-    )
+    text = tok.decode(tok("<|im_start|>x<think>\ny\n</think>", add_special_tokens=False)["input_ids"],
+                      skip_special_tokens=True)
     assert text == "x<think>\ny\n</think>"
 
 
@@ -60,7 +58,7 @@ def test_task_words_are_single_tokens(tok, samples):
         enc = tok(s.completion, add_special_tokens=False, return_offsets_mapping=True)
         starts = {a for a, _ in enc["offset_mapping"]}
         for off, _ in s.forks:
-            assert off in starts, s.completion[off - 10 : off + 10]
+            assert off in starts, s.completion[off - 10:off + 10]
 
 
 def test_thinking_share_and_fork_density(tok, samples):
@@ -86,9 +84,8 @@ def test_saved_tokenizer_loads_with_auto_and_chat_template(tok, samples, tmp_pat
     assert auto(s.text, add_special_tokens=False)["input_ids"] == ids
     msgs = [{"role": "user", "content": s.problem.question}]
     assert auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == s.prompt
-    no_think = auto.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
+    no_think = auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                        enable_thinking=False)
     assert no_think == s.prompt + "<think>\n\n</think>\n\n"
     turn = msgs + [{"role": "assistant", "reasoning_content": s.thinking, "content": s.answer_text}]
     assert auto.apply_chat_template(turn, tokenize=False) == s.text + "\n"

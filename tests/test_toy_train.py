@@ -71,15 +71,11 @@ def test_pack_keeps_samples_whole_and_masks_prompts(tok_dir):
     flat = [r.tolist() for r in x]
     for ids, n in pool:
         ids = ids.tolist()
-        hits = [
-            (r, i)
-            for r, row in enumerate(flat)
-            for i in range(512 - len(ids) + 1)
-            if row[i] == ids[0] and row[i : i + len(ids)] == ids
-        ]
+        hits = [(r, i) for r, row in enumerate(flat) for i in range(512 - len(ids) + 1)
+                if row[i] == ids[0] and row[i:i + len(ids)] == ids]
         assert hits
         r, i = hits[0]
-        assert (y[r, i : i + n] == IGNORE).all() and y[r, i + n : i + len(ids)].tolist() == ids[n:]
+        assert (y[r, i:i + n] == IGNORE).all() and y[r, i + n:i + len(ids)].tolist() == ids[n:]
     s = generate_samples(1, seed=1_000_003)[0]
     assert pool[0][0].tolist() == tok(s.text, add_special_tokens=False)["input_ids"]
 
@@ -125,10 +121,8 @@ def pair(tok_dir):
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.3 * p.std().clamp_min(1e-3))
     # Prompts end inside a think block, so decoding starts in the thinking phase.
-    prompts = [
-        tok(chat_prompt(s.problem.question) + "<think>\n", add_special_tokens=False)["input_ids"]
-        for s in generate_samples(3, seed=8)
-    ]
+    prompts = [tok(chat_prompt(s.problem.question) + "<think>\n", add_special_tokens=False)["input_ids"]
+               for s in generate_samples(3, seed=8)]
     return tok, target, draft, prompts, TokenIds.from_tokenizer(tok)
 
 
@@ -136,7 +130,7 @@ def test_greedy_matches_hf_generate(pair):
     tok, target, _, prompts, ids = pair
     outs, stats, pmax = speculative_generate(target, None, prompts, ids, max_new_tokens=20)
     for p, o in zip(prompts, outs):
-        ref = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
+        ref = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
         assert o == ref
     assert stats.rounds["thinking"] + stats.rounds["answer"] == sum(len(o) for o in outs)
     assert len(pmax) > 0 and all(0 < v <= 1 for v in pmax)
@@ -159,13 +153,11 @@ def test_strict_speculation_is_lossless_and_matches_teacher_forcing(pair):
 def test_relaxed_acceptance_bounds(pair):
     _, target, draft, prompts, ids = pair
     strict, st, _ = speculative_generate(target, draft, prompts, ids, k=4, max_new_tokens=24)
-    same, st1, _ = speculative_generate(
-        target, draft, prompts, ids, k=4, max_new_tokens=24, relax=Relax(1.0, 1)
-    )
+    same, st1, _ = speculative_generate(target, draft, prompts, ids, k=4, max_new_tokens=24,
+                                        relax=Relax(1.0, 1))
     assert same == strict and st1.relaxed_only == 0
-    loose, st0, _ = speculative_generate(
-        target, draft, prompts, ids, k=4, max_new_tokens=24, relax=Relax(0.0, 64)
-    )
+    loose, st0, _ = speculative_generate(target, draft, prompts, ids, k=4, max_new_tokens=24,
+                                         relax=Relax(0.0, 64))
     assert st0.relaxed_only > 0
     assert st0.mean_acceptance_length("thinking") > st.mean_acceptance_length("thinking")
     # Only thinking-phase, non-protected drafts may be relaxed; outputs still end at EOS or the cap.
@@ -185,23 +177,13 @@ def test_fork_agreement_splits_forks_from_determined_tokens(pair):
 
 
 def test_format_table_names_every_draft():
-    result = {
-        "n_problems": 2,
-        "k": 4,
-        "target": {"accuracy": 1.0, "fork_fraction": 0.2, "thinking_token_share": 0.9},
-        "drafts": [
-            {
-                "path": "d1",
-                "params": 1_100_000,
-                "agreement": {"fork_agreement": 0.3, "determined_agreement": 0.9},
-                "strict": {"thinking_al": 2.5},
-                "relaxed": [
-                    {"ratio": 0.3, "top_k": 3, "thinking_al": 3.5, "accuracy": 1.0},
-                    {"ratio": 0.3, "top_k": 4, "skipped": "time budget"},
-                ],
-            }
-        ],
-    }
+    result = {"n_problems": 2, "k": 4,
+              "target": {"accuracy": 1.0, "fork_fraction": 0.2, "thinking_token_share": 0.9},
+              "drafts": [{"path": "d1", "params": 1_100_000,
+                          "agreement": {"fork_agreement": 0.3, "determined_agreement": 0.9},
+                          "strict": {"thinking_al": 2.5},
+                          "relaxed": [{"ratio": 0.3, "top_k": 3, "thinking_al": 3.5, "accuracy": 1.0},
+                                      {"ratio": 0.3, "top_k": 4, "skipped": "time budget"}]}]}
     table = format_table(result)
     assert "d1 | 1.10M | 0.30/0.90 | 2.50 | (0.3, 3): 3.50, x1.40, 1.000" in table
     assert "(0.3, 4)" not in table

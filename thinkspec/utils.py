@@ -16,7 +16,7 @@ _DETOKENIZE_CONTEXT = 5
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """ "auto" -> cuda when available, else cpu; anything else is validated."""
+    """"auto" -> cuda when available, else cpu; anything else is validated."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
