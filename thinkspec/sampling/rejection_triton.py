@@ -503,7 +503,6 @@ def rejection_sample_triton(
     tile = _tile(v)
     rows = b * (k + 1)
     stats_tile, nc, chunk = _stats_split(rows, v, dev)
-    nc_p2 = _p2(nc)
     pmax = torch.empty(rows * nc, dtype=torch.float32, device=dev)
     pidx = torch.empty(rows * nc, dtype=torch.int32, device=dev)
     pcnt = torch.empty(rows * nc, dtype=torch.int32, device=dev)
@@ -533,7 +532,6 @@ def rejection_sample_triton(
         )  # fmt: skip
     if not all_greedy:
         nc = triton.cdiv(v, tile)  # the race runs one tile per program
-        nc_p2 = _p2(nc)
         rbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
         ridx = torch.empty(b * nc, dtype=torch.int32, device=dev)
         pbest = torch.empty(b * nc, dtype=torch.float32, device=dev)
@@ -543,5 +541,7 @@ def rejection_sample_triton(
             rbest, ridx, pbest, pbidx, v, k, nc,
             HAS_Q=has_q, TILE=tile, num_warps=NUM_WARPS,
         )  # fmt: skip
-        _race_reduce_kernel[(b,)](temp, nacc, rbest, ridx, pbest, pbidx, out, k, nc, NC_P2=nc_p2, num_warps=1)
+        _race_reduce_kernel[(b,)](
+            temp, nacc, rbest, ridx, pbest, pbidx, out, k, nc, NC_P2=_p2(nc), num_warps=1
+        )
     return RejectionResult(output_token_ids=out, num_accepted=nacc, relaxed_accepted=flags.view(torch.bool))
