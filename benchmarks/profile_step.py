@@ -91,6 +91,8 @@ def main() -> None:
         rows.append(dict(wall=wall, **sums))
     phases = {
         "step": statistics.median(r["wall"] for r in rows),
+        "step_min": min(r["wall"] for r in rows),
+        "step_max": max(r["wall"] for r in rows),  # a lazy graph capture or an eager step shows here
         "schedule": statistics.median(r["schedule"] for r in rows),
         "execute_model": statistics.median(r["execute_model"] for r in rows),
         "sample": statistics.median(r["sampler"] for r in rows),

@@ -22,3 +22,4 @@ def test_profile_step_smoke(tmp_path):
     assert phases["execute_model"] > 0 and phases["schedule"] >= 0 and phases["sample"] >= 0
     parts = phases["schedule"] + phases["execute_model"] + phases["sample"] + phases["wait_and_commit"]
     assert abs(parts - phases["step"]) < 0.5 * phases["step"]  # medians of parts vs median of sums
+    assert phases["step_min"] <= phases["step"] <= phases["step_max"]
