@@ -59,11 +59,13 @@ def main() -> None:
     vocab = 1024 if args.small else 151936
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
-        llm = LLM(
-            folder, device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16",
+        engine_args = dict(
+            device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16",
             load_format="dummy", skip_tokenizer_init=True, max_num_seqs=max(args.batch, 1),
-            max_model_len=args.prompt_len + args.warmup + 2 * args.steps + 16, **json.loads(args.engine_args),
+            max_model_len=args.prompt_len + args.warmup + 2 * args.steps + 16,
         )  # fmt: skip
+        # --engine-args overrides, e.g. '{"max_model_len": 32768}' (split-KV follows max_model_len)
+        llm = LLM(folder, **{**engine_args, **json.loads(args.engine_args)})
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.warmup + 2 * args.steps + 8, ignore_eos=True)
