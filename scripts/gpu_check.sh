@@ -9,8 +9,8 @@
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
-#   step        one 8B-shaped engine step split into host phases and device busy/idle time, at each
-#               batch of STEP_BATCHES (default "1 16")
+#   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
+#               "batch[:max_model_len]" of STEP_RUNS (default "1 16 1:32768"; short max_model_len otherwise)
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
 #               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
@@ -68,11 +68,19 @@ print(",".join(str(b[k]) for k in ("tile","vec","warps","maxnreg")))' "$OUT/tune
 fi
 
 if has step; then
-  for bs in ${STEP_BATCHES:-1 16}; do
-    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" --out "$OUT/step_bs$bs.json" \
-      2>&1 | tee -a "$OUT/step.log" | tail -n 20
-    note "step batch $bs: exit ${PIPESTATUS[0]}"
+  steps=()
+  for spec in ${STEP_RUNS:-1 16 1:32768}; do
+    IFS=: read -r bs len <<<"$spec"
+    extra=()
+    [ -n "$len" ] && extra=(--engine-args "{\"max_model_len\": $len}")
+    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" "${extra[@]}" \
+      --out "$OUT/step_${bs}_${len:-short}.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 20
+    note "step batch $bs max_model_len ${len:-short}: exit ${PIPESTATUS[0]}"
+    steps+=("$OUT/step_${bs}_${len:-short}.json")
   done
+  # One file back instead of one per run (at most 8 files come back).
+  $PY -c 'import json,sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], "w"), indent=1)' \
+    "$OUT/step.json" "${steps[@]}" 2>/dev/null && rm -f "${steps[@]}"
 fi
 
 if has profile; then
