@@ -150,18 +150,11 @@ def test_rows_mark_the_frontier_and_round_trip():
 def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     """Tiny grid on the bundled toy pair; outputs truncated (the toy answers need ~250 tokens)."""
     out = tmp_path / "sweep"
+    grid = ["sweep", "--device", "cpu", "--num-prompts", "3", "--max-tokens", "24", "--relax-top-ks", "8"]
     argv = [
-        "sweep",
-        "--device",
-        "cpu",
-        "--num-prompts",
-        "3",
-        "--max-tokens",
-        "24",
+        *grid,
         "--relax-ratios",
         "0.1,0.5",
-        "--relax-top-ks",
-        "8",
         "--output-dir",
         str(out),
         "--accuracy-budget",
@@ -209,17 +202,9 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
 
     # --resume keeps finished cells (same measurements) and runs only the new one
     argv2 = [
-        "sweep",
-        "--device",
-        "cpu",
-        "--num-prompts",
-        "3",
-        "--max-tokens",
-        "24",
+        *grid,
         "--relax-ratios",
         "0.1,0.3,0.5",
-        "--relax-top-ks",
-        "8",
         "--output-dir",
         str(out),
         "--resume",
