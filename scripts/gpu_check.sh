@@ -7,6 +7,7 @@
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
+#   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
@@ -49,6 +50,12 @@ fi
 if has graphs; then
   timeout "${GRAPHS_TIMEOUT:-240}" $PY benchmarks/bench_graphs.py --out "$OUT/graphs.json" >"$OUT/graphs.log" 2>&1
   note "graphs: exit $? $(tail -n 1 "$OUT/graphs.log")"
+fi
+
+if has gemv; then
+  timeout "${GEMV_TIMEOUT:-240}" $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
+    | tee "$OUT/gemv.log"
+  note "gemv: exit ${PIPESTATUS[0]}"
 fi
 
 if has tune; then
@@ -143,7 +150,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round throughput acceptance step toy_quality sweep; do
+for f in spec_round throughput gemv acceptance step toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

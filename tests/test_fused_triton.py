@@ -21,6 +21,7 @@ from triton_interpreter import interp, parent_only, run_interpreter_cases  # noq
 
 from thinkspec.layers import fused_triton  # noqa: E402
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context  # noqa: E402
+from thinkspec.layers.linear import Linear  # noqa: E402
 from thinkspec.layers.norm import RMSNorm  # noqa: E402
 from thinkspec.layers.rotary import RotaryEmbedding  # noqa: E402
 from thinkspec.models.config import DecoderConfig  # noqa: E402
@@ -114,11 +115,13 @@ def test_set_fused_kernels_switches_every_module():
     model, _ = load_model(tiny_checkpoint("qwen3", tied=False))
     switched = [m for m in model.modules() if isinstance(m, (RMSNorm, DecoderAttention, DecoderMLP))]
     assert len(switched) == 1 + 2 * (4 + 1 + 1)  # final norm; per layer 4 norms, attention, MLP
-    assert not any(m.fused for m in switched)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 1 + 2 * 4  # lm_head; per layer qkv, o, gate_up, down
+    assert not any(m.fused for m in switched) and not any(m.gemv for m in linears)
     model.set_fused_kernels(True)
-    assert all(m.fused for m in switched)
+    assert all(m.fused for m in switched) and all(m.gemv for m in linears)
     set_fused_kernels(model, False)
-    assert not any(m.fused for m in switched)
+    assert not any(m.fused for m in switched) and not any(m.gemv for m in linears)
 
 
 def test_wrappers_reject_bad_shapes():

@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from thinkspec.layers import attention_triton as at  # noqa: E402
 from thinkspec.layers import fused_triton as ft  # noqa: E402
+from thinkspec.layers import gemv_triton as gt  # noqa: E402
 from thinkspec.sampling import rejection_triton as rt  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -109,6 +110,21 @@ def test_paged_attention_compiles(dtype, splits, block_q):
     if splits > 1:
         ptrs = {"acc_ptr": "fp32", "ml_ptr": "fp32", "out_ptr": dtype, "query_start_ptr": "i32"}
         compile_sm90(at._combine_kernel, ptrs, {"NUM_SPLITS": splits, "BLOCK_D": 128}, 4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("k", [4096, 12288, 1000])
+def test_gemv_compiles_without_spills(rows, k):
+    # the engine's launch shapes (gemv_config) at Qwen3-8B / 0.6B widths; 1000: the masked-K path
+    block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k)
+    constexprs = {
+        "HAS_BIAS": rows == 2, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
+        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0,
+    }  # fmt: skip
+    ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
+    kernel = compile_sm90(gt._gemv_kernel, ptrs, constexprs, warps, num_stages=stages)
+    usage = resource_usage(kernel.asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thinkspec.layers.attention import Attention
-from thinkspec.layers.linear import MergedLinear
+from thinkspec.layers.linear import Linear, MergedLinear
 from thinkspec.layers.norm import RMSNorm
 from thinkspec.layers.rotary import RotaryEmbedding
 from thinkspec.models.config import DecoderConfig
@@ -28,12 +28,16 @@ from thinkspec.models.config import DecoderConfig
 def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
     """Run the norms, residual adds, q/k norm + rotary and SiLU * up of every decoder layer inside
     `module` as fused Triton kernels (enabled; CUDA, or TRITON_INTERPRET=1) or as torch ops (the
-    default, any device). Both compute the same values (see fused_triton.py)."""
+    default, any device). Both compute the same values (see fused_triton.py). Also switches the
+    single-row products of the smaller linear layers to the Triton GEMV (layers/linear.py), which
+    equals F.linear up to the order of its float32 sums."""
     if enabled:
         import thinkspec.layers.fused_triton  # noqa: F401 (fail here, not mid-forward, without triton)
     for m in module.modules():
         if isinstance(m, (RMSNorm, DecoderAttention, DecoderMLP)):
             m.fused = enabled
+        elif isinstance(m, Linear):
+            m.gemv = enabled
 
 
 class DecoderAttention(nn.Module):
@@ -48,7 +52,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
         )
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
@@ -83,7 +87,7 @@ class DecoderMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=bias)
         self.fused = False  # True: SiLU(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +173,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, mlp_bias=mlp_bias)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def set_fused_kernels(self, enabled: bool) -> None:

@@ -1,0 +1,112 @@
+"""Skinny matmuls of a decode step: cuBLAS (F.linear) vs the Triton GEMV, side by side.
+
+For each projection of the Qwen3-8B target and the Qwen3-0.6B draft (bf16), and each row count
+(batch), builds one weight per layer (so the weights of a step do not fit in L2, as in a real
+step), captures a CUDA graph of the layers' products one after another, and reports microseconds
+per product, the achieved read rate and the ratio to the HBM floor (weight bytes / --bandwidth),
+for cuBLAS and for every Triton launch shape in the grid; checks each Triton result against
+F.linear first. Writes JSON (--out) and prints the best shape per projection last.
+
+    python benchmarks/bench_gemv.py --out gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from thinkspec.layers.gemv_triton import gemv, gemv_config
+
+# (name, N, K, layers)
+SHAPES = [
+    ("8b.qkv", 6144, 4096, 36), ("8b.o", 4096, 4096, 36), ("8b.gate_up", 24576, 4096, 36),
+    ("8b.down", 4096, 12288, 36), ("8b.lm_head", 151936, 4096, 1),
+    ("0.6b.qkv", 4096, 1024, 28), ("0.6b.o", 1024, 2048, 28), ("0.6b.gate_up", 6144, 1024, 28),
+    ("0.6b.down", 1024, 3072, 28), ("0.6b.lm_head", 151936, 1024, 1),
+]  # fmt: skip
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one replay of a CUDA graph of fn()."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4")
+    ap.add_argument("--block-n", default="1,2,4,8")
+    ap.add_argument("--block-k", default="512,1024,2048")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="3")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--bandwidth", type=float, default=4.21e12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    grid = list(
+        itertools.product(ints(args.block_n), ints(args.block_k), ints(args.warps), ints(args.stages))
+    )
+    wanted = set(args.shapes.split(","))
+    rows_out = []
+    for name, n, k, layers in [s for s in SHAPES if s[0] in wanted]:
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        floor_us = n * k * 2 / args.bandwidth * 1e6
+        for m in ints(args.rows):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            cublas = graph_us(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws]) / layers
+            row = dict(shape=name, n=n, k=k, rows=m, floor_us=floor_us, cublas_us=cublas, triton={})
+            for bn, bk, warps, stages in grid:
+                if m * bn * bk // (32 * warps) > 128 or bk > 2 * triton_next_pow2(k):
+                    continue  # too many accumulator registers per thread, or a block far past K
+                cfg = (bn, bk, warps, stages)
+                err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
+                if err > 1e-2 * ref.abs().max().item() + 1e-3:
+                    raise AssertionError(f"{name} rows {m} config {cfg}: max error {err}")
+                run = lambda x=x, ws=ws, cfg=cfg: [gemv(x, w, config=cfg) for w in ws]  # noqa: E731
+                row["triton"][",".join(map(str, cfg))] = graph_us(run) / layers
+            default = ",".join(map(str, gemv_config(m, n, k)))
+            best = min(row["triton"], key=row["triton"].get)
+            row.update(best=best, best_us=row["triton"][best], default=default,
+                       default_us=row["triton"].get(default))  # fmt: skip
+            rows_out.append(row)
+            print(f"{name:<14} rows {m}  floor {floor_us:7.1f}  "
+                  f"cublas {cublas:7.1f} ({cublas / floor_us:.2f}x)  "
+                  f"triton best {row['best_us']:7.1f} ({row['best_us'] / floor_us:.2f}x) [{best}]  "
+                  f"default {row['default_us'] or float('nan'):7.1f} [{default}]", flush=True)  # fmt: skip
+        ws.clear()
+        torch.cuda.empty_cache()
+    if args.out:
+        result = dict(device=torch.cuda.get_device_name(dev), rows=rows_out)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()

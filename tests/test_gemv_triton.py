@@ -1,0 +1,154 @@
+"""The Triton GEMV (layers/gemv_triton.py) against F.linear, and Linear's dispatch to it.
+
+On CPU the kernel runs under the Triton interpreter in a child pytest (`test_kernels_under_interpreter`);
+run those cases directly with `TRITON_INTERPRET=1 pytest tests/test_gemv_triton.py -k test_interp_`.
+float32 agrees up to the order of the float32 sums; half types to one rounding of the result (the
+products are summed in float32 either way). GPU cases (Qwen3-8B shapes, CUDA graphs) are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not importable")
+
+from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
+
+from thinkspec.layers import gemv_triton, linear  # noqa: E402
+from thinkspec.layers.gemv_triton import gemv  # noqa: E402
+
+gpu = pytest.mark.gpu
+
+
+@parent_only
+def test_kernels_under_interpreter():
+    run_interpreter_cases(__file__)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        # sum order only: error grows with sqrt(K) x the products' scale
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max(k, 1) ** 0.5)
+        return
+    eps = torch.finfo(out.dtype).eps
+    scale = ref.float().abs().max().item() if ref.numel() else 0.0
+    # one rounding each side (cuBLAS/CPU round too, from a differently ordered float32 sum)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * eps, atol=2 * eps * scale + 1e-6)
+
+
+def test_gemv_config_fits_the_shape():
+    for rows in (1, 2, 3, 4):
+        for k in (1, 7, 300, 4096, 12288):
+            block_n, block_k, warps, stages = gemv_triton.gemv_config(rows, 4096, k)
+            assert min(k, 512) <= block_k <= 512 and block_k & (block_k - 1) == 0
+            assert block_n >= 1 and warps in (2, 4) and stages >= 1
+
+
+def test_gemv_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv(torch.zeros(5, 8), torch.zeros(3, 8))
+    with pytest.raises(ValueError, match=r"\(3, 7\)"):
+        gemv(torch.zeros(1, 8), torch.zeros(3, 7))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 100), (64, 512), (5, 1500), (130, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_interp_gemv_matches_linear(dtype, m, n, k, bias):
+    # n not a multiple of BLOCK_N (37, 5, 130), K under, at and past BLOCK_K, uneven K (100, 1500)
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    _check(gemv(x, w, b), ref, k)
+
+
+@interp
+@pytest.mark.parametrize("config", [(1, 16, 1, 1), (2, 32, 4, 1), (16, 64, 2, 3), (8, 128, 4, 1)])
+def test_interp_gemv_launch_shapes_agree(config):
+    # every launch shape computes the same products; x and w are strided views (rows of wider tensors)
+    g = torch.Generator().manual_seed(7)
+    wide_x = torch.randn(3, 200, generator=g)
+    wide_w = torch.randn(45, 220, generator=g)
+    x, w = wide_x[:, :150], wide_w[:, 10:160]
+    _check(gemv(x, w, config=config), F.linear(x, w), 150)
+
+
+@interp
+def test_interp_gemv_ties_infinities_and_nan_propagate():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0]])
+    inf, nan = float("inf"), float("nan")
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [inf, 0.0, 0.0, 0.0], [0.0, nan, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    out = gemv(x, w)
+    assert out[0, 0] == out[0, 3] == -0.5
+    assert out[0, 1] == float("inf") and torch.isnan(out[0, 2])
+
+
+@interp
+def test_interp_gemv_empty_shapes():
+    assert gemv(torch.zeros(0, 8), torch.zeros(3, 8)).shape == (0, 3)
+    assert gemv(torch.zeros(2, 8), torch.zeros(0, 8)).shape == (2, 0)
+    out = gemv(torch.zeros(2, 0), torch.zeros(3, 0), torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(out, torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]))
+
+
+@interp
+def test_interp_linear_sends_skinny_products_to_the_gemv(monkeypatch):
+    calls = []
+    real = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    layer = linear.Linear(64, 48, bias=True)
+    x = torch.randn(4, 64)
+    assert torch.equal(layer(x[:1]), F.linear(x[:1], layer.weight, layer.bias))
+    assert not calls  # off by default
+    layer.gemv = True
+    for rows in range(1, 5):
+        out = layer(x[:rows])
+        torch.testing.assert_close(out, F.linear(x[:rows], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, 64), (2, 64)]  # up to GEMV_MAX_ROWS rows
+    layer(x[:1].unsqueeze(0))  # [1, 1, in]: not a 2-d batch of rows
+    monkeypatch.setattr(linear, "GEMV_MAX_WEIGHT", 64 * 48 - 1)
+    layer(x[:1])  # a weight over the limit stays on F.linear
+    assert calls == [(1, 64), (2, 64)]
+
+
+# ---------------------------------------------------------------- GPU cases (real sizes)
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (4096, 12288), (1024, 3072), (151936, 1024)]
+)
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_gpu_gemv_matches_cublas_at_model_shapes(n, k, m):
+    g = torch.Generator(device="cuda").manual_seed(n + k + m)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float(), b.float())
+    out = gemv(x, w, b)
+    # the float32 result rounded once: within a bf16 rounding of the exact value, nearly all bit-exact
+    assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    assert (out == ref.bfloat16()).float().mean().item() > 0.99
+
+
+@gpu
+@torch.inference_mode()
+def test_gpu_gemv_replays_in_a_cuda_graph():
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = gemv(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured, eager)
+    assert torch.equal(captured, gemv(x, w))
