@@ -2,10 +2,11 @@
 
 Qwen3-8B-shaped random bf16 weights (or --small shapes), prompts of --prompt-len random tokens,
 --output-len generated tokens (EOS ignored), greedy, at each batch size. thinkspec runs plain
-and, with a Qwen3-0.6B-shaped draft under synthetic acceptance, speculative decoding at the mean
-acceptance lengths of --acceptance-lengths (k=4). Reports tok/s (output tokens over the decode
-time), ms per step and, for plain decoding, the ratio of the step time to the weight-read floor
-(bytes of the weights / --bandwidth). Writes JSON (--out) and prints a table last.
+(with async scheduling, its CUDA default, and as `thinkspec_sync` without) and, with a
+Qwen3-0.6B-shaped draft under synthetic acceptance, speculative decoding at the mean acceptance
+lengths of --acceptance-lengths (k=4). Reports tok/s (output tokens over the decode time), ms per
+step and, for plain decoding, the ratio of the step time to the weight-read floor (bytes of the
+weights / --bandwidth). Writes JSON (--out) and prints a table last.
 
     python benchmarks/bench_throughput.py --out throughput.json                  # H200
     python benchmarks/bench_throughput.py --small --device cpu --batch-sizes 1,4 # smoke test
@@ -132,9 +133,11 @@ def main() -> None:
                 torch.cuda.empty_cache()
         llm = LLM(tdir, **common)
         weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
-        for b in batches:
-            seconds, _ = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
-            rows.append({"engine": "thinkspec", "batch": b, "seconds": seconds})
+        for name, overlap in (("thinkspec", True), ("thinkspec_sync", False)):
+            llm.llm_engine.async_scheduling = overlap and device.type == "cuda"
+            for b in batches:
+                seconds, _ = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+                rows.append({"engine": name, "batch": b, "seconds": seconds})
         del llm
         for length in [float(x) for x in args.acceptance_lengths.split(",")]:
             rate = rate_for_acceptance_length(length, args.k)

@@ -3,10 +3,13 @@
 Builds the engine on Qwen3-8B-shaped random weights (`--small` for a CPU smoke test), starts
 --batch requests of --prompt-len random tokens (greedy, EOS ignored), runs --warmup steps, then
 times --steps steady-state decode steps two ways:
-  phases    wall time of each engine.step split into schedule, execute_model (input packing, graph
-            replay or eager forward, logits), sample (the sampler's launches), wait + commit (the
-            rest: the device->host copy of the tokens, which waits for the device, and the
-            scheduler's postprocess and outputs), each the median over the steps (ms)
+  phases    steps run back to back (as generate() runs them); step_mean = their wall time / steps; each
+            step's wall time split into schedule, execute_model (input packing, graph replay or
+            eager forward, logits), sample (the sampler's launches), wait + commit (the rest: the
+            device->host copy of the tokens, which waits for the device, and the scheduler's
+            postprocess and outputs), each the median over the steps (ms). With async scheduling a
+            step waits for the previous one's tokens, so its wall time is the device's step time
+            whenever the host keeps ahead.
   device    the same steps under torch.profiler (CUDA only): device busy time per step (sum of
             kernel and copy durations), idle = wall - busy, and the kernels outside CUDA graphs
 Writes JSON (--out) and prints a short table last.
@@ -84,14 +87,17 @@ def main() -> None:
     _timed(engine.model_runner, "execute_model", sums)
     _timed(engine, "sampler", sums)
     rows = []
-    for _ in range(args.steps):
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):  # back to back, as generate() steps (no sync between steps)
         sums.clear()
-        sync()
         t0 = time.perf_counter()
         engine.step()
         wall = (time.perf_counter() - t0) * 1e3
         rows.append(dict(wall=wall, **sums))
+    sync()
     phases = {
+        "step_mean": (time.perf_counter() - start) * 1e3 / args.steps,
         "step": statistics.median(r["wall"] for r in rows),
         "step_min": min(r["wall"] for r in rows),
         "step_max": max(r["wall"] for r in rows),  # a lazy graph capture or an eager step shows here
@@ -119,9 +125,15 @@ def main() -> None:
         for e in events:
             by_name[e.name] += e.device_time / 1e3 / args.steps
         top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+        # Host time inside CUDA runtime calls (graph launches, copies, waits for the device).
+        runtime: dict[str, float] = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+                runtime[e.name] += e.cpu_time_total / 1e3 / args.steps
         device_stats = dict(
             wall_ms_per_step=wall, busy_ms_per_step=busy, idle_ms_per_step=wall - busy,
             kernels_per_step=len(events) / args.steps, top_kernels_ms_per_step=dict(top),
+            runtime_ms_per_step=dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:6]),
         )  # fmt: skip
 
     floor_ms = sum(t.numel() * t.element_size() for t in engine.model.parameters()) / 4.21e12 * 1e3
@@ -138,6 +150,10 @@ def main() -> None:
         d = device_stats
         print(f"  profiled: wall {d['wall_ms_per_step']:.3f}  device busy {d['busy_ms_per_step']:.3f}  "
               f"idle {d['idle_ms_per_step']:.3f}  kernels/step {d['kernels_per_step']:.0f}")  # fmt: skip
+        print(
+            "  host in CUDA runtime calls: "
+            + "  ".join(f"{k} {v:.3f}" for k, v in d["runtime_ms_per_step"].items())
+        )
         for name, ms in d["top_kernels_ms_per_step"].items():
             print(f"    {ms:8.3f}  {name[:90]}")
 

@@ -11,7 +11,8 @@
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
-#               "batch[:max_model_len]" of STEP_RUNS (default "1 16 1:32768"; short max_model_len otherwise)
+#               "batch[:max_model_len[:sync]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
+#               max_model_len when empty; sync = async_scheduling off)
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
 #               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
@@ -76,14 +77,16 @@ fi
 
 if has step; then
   steps=()
-  for spec in ${STEP_RUNS:-1 16 1:32768}; do
-    IFS=: read -r bs len <<<"$spec"
-    extra=()
-    [ -n "$len" ] && extra=(--engine-args "{\"max_model_len\": $len}")
-    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" "${extra[@]}" \
-      --out "$OUT/step_${bs}_${len:-short}.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 20
-    note "step batch $bs max_model_len ${len:-short}: exit ${PIPESTATUS[0]}"
-    steps+=("$OUT/step_${bs}_${len:-short}.json")
+  for spec in ${STEP_RUNS:-1 1::sync 16 1:32768}; do
+    IFS=: read -r bs len mode <<<"$spec"
+    args=()
+    [ -n "$len" ] && args+=("\"max_model_len\": $len")
+    [ "$mode" = sync ] && args+=("\"async_scheduling\": false")
+    name="step_${bs}_${len:-short}${mode:+_$mode}"
+    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" \
+      --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21
+    note "step batch $bs max_model_len ${len:-short} ${mode:-async}: exit ${PIPESTATUS[0]}"
+    steps+=("$OUT/$name.json")
   done
   # One file back instead of one per run (at most 8 files come back).
   $PY -c 'import json,sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], "w"), indent=1)' \

@@ -23,7 +23,8 @@ class LLM:
     LLM(model, tokenizer=None, dtype="auto", device="auto", max_model_len=None, max_num_seqs=64,
         max_num_batched_tokens=2048, block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=None,
         enable_prefix_caching=True, seed=0, reasoning_parser=None, speculative_config=None,
-        load_format="auto", skip_tokenizer_init=False, attention_backend="auto", enforce_eager=False)
+        load_format="auto", skip_tokenizer_init=False, attention_backend="auto", enforce_eager=False,
+        async_scheduling=None)
 
     speculative_config: a SpeculativeConfig, a dict or a JSON string, as vLLM's
     `speculative_config` (e.g. {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4,
@@ -35,6 +36,8 @@ class LLM:
     (CUDA, or the Triton interpreter); "torch" is the reference; "auto" (the default) is Triton on
     CUDA and torch elsewhere. On CUDA with the Triton backend, decode, verification and draft steps
     replay CUDA graphs captured on first use; enforce_eager=True (as vLLM's) runs every step eagerly.
+    async_scheduling (as vLLM's; default on for CUDA) overlaps each plain decode step's host work
+    with the device's previous step.
 
     See EngineConfig for the meaning of each setting. A request whose prompt cannot run (longer
     than max_model_len or the KV pool, empty, bad token ids) fails alone: its RequestOutput has
@@ -61,6 +64,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -81,6 +85,7 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.llm_engine = LLMEngine(config)
         self.last_spec_metrics: SpecDecodeMetrics | None = None

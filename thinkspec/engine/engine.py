@@ -6,7 +6,7 @@ import itertools
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from thinkspec.engine.model_runner import (
     measure_cuda_graph_memory,
     use_triton_kernels,
 )
-from thinkspec.engine.scheduler import Scheduler
+from thinkspec.engine.scheduler import Scheduler, SchedulerOutput
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.models.loader import LOAD_FORMATS
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -33,6 +33,7 @@ from thinkspec.spec_decode.speculator import Speculator
 from thinkspec.utils import logger, resolve_device
 
 PromptType = str | list[int] | Mapping[str, Any]
+PENDING_TOKEN = -1  # stands for a sampled token still on its way to the host (never an input)
 
 
 def _is_int(value: Any) -> bool:
@@ -64,6 +65,10 @@ class EngineConfig:
         residual adds, rotary and SiLU * up as fused Triton kernels (layers/fused_triton.py).
     enforce_eager: never use CUDA graphs (vLLM's flag). Otherwise decode, verification and draft
         steps replay CUDA graphs when the device is CUDA and the attention backend is Triton.
+    async_scheduling: let a plain (non-speculative) decode step start on the device before the
+        previous step's tokens reach the host, which then commits them while the device works (as
+        vLLM's flag); outputs are unchanged. None (default): on for CUDA without speculative
+        decoding, off otherwise; True with speculative decoding is refused.
     """
 
     model: str
@@ -84,6 +89,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in and out only (no text, chat or reasoning split)
     attention_backend: str = "auto"  # "auto" | "torch" (reference) | "triton" (CUDA, or TRITON_INTERPRET=1)
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -138,6 +144,12 @@ class EngineConfig:
             )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "async_scheduling=True is not supported with speculative decoding (leave it None)"
+            )
 
 
 def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
@@ -156,6 +168,19 @@ def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> Specu
     ):
         value = {**value, "reasoning_parser": reasoning_parser}
     return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A plain step launched on the device whose sampled tokens the host has not committed yet.
+
+    Each pending (row, seq) got PENDING_TOKEN appended to its token_ids when the step was launched
+    (so the scheduler schedules its next position as usual); committing replaces it."""
+
+    tokens: torch.Tensor  # [S] int64 on the device: row i is the token sampled for batch row i
+    host: torch.Tensor  # [S] int64: the host copy of tokens (pinned, filled by a non-blocking copy)
+    done: torch.cuda.Event | None  # recorded after the copy (None on CPU: tokens is the host copy)
+    pending: list[tuple[int, Sequence]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -309,6 +334,17 @@ class LLMEngine:
             )
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        self.async_scheduling = self.speculator is None and (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._in_flight: _InFlight | None = None
+        if self.async_scheduling:
+            pin = self.device.type == "cuda"
+            # Two host buffers: a step's tokens land in one while the previous step's are read.
+            self._token_host = [
+                torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in "ab"
+            ]
+            self._row_index = torch.arange(config.max_num_seqs, device=self.device)
         logger.info(
             "engine ready: %s (%s, %s) on %s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d; "
             "attention %s, CUDA graphs %s",
@@ -401,10 +437,18 @@ class LLMEngine:
         next step()."""
         seq = self.scheduler.abort(request_id)
         if seq is not None:
+            flight = self._in_flight
+            if flight is not None and any(p is seq for _, p in flight.pending):
+                seq.token_ids.pop()  # its in-flight token is dropped with it
+                flight.pending = [(r, p) for r, p in flight.pending if p is not seq]
             self._pending_outputs.append(self.make_output(seq))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending_outputs)
+            or self._in_flight is not None
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished_requests()
@@ -415,11 +459,21 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model, sample, commit. Returns outputs of requests that produced
         tokens or finished this step (cumulative text and token ids); with finished_only, of the
-        requests that finished (what LLM.generate needs: no per-step copies of running outputs)."""
+        requests that finished (what LLM.generate needs: no per-step copies of running outputs).
+
+        With async_scheduling a plain step whose every sequence samples a token is left in flight:
+        the next step() launches the following step first, feeding it those tokens on the device,
+        and only then waits for them and commits them; its outputs come one step() later."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        flight = self._in_flight
+        if flight is not None and not self._can_run_ahead(flight):
+            outputs += self._commit_in_flight(finished_only)
+            flight = None
         spec = self.speculator
         sched = self.scheduler.schedule(num_lookahead_tokens=spec.k if spec is not None else 0)
         if sched.is_empty:
+            if flight is not None:
+                return outputs + self._commit_in_flight(finished_only)
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError(
                     f"no request fits the KV pool ({self.block_manager.num_free_blocks} of "
@@ -436,16 +490,101 @@ class LLMEngine:
             return outputs
         sample_mask = sched.sample_mask()
         num_logits = [int(m) for m in sample_mask]
-        logits = self.model_runner.execute_model(sched.seqs, sched.num_new_tokens, num_logits)
+        device_tokens = None
+        if flight is not None:  # every sequence of this step decodes the token pending in flight
+            rows = {id(seq): r for r, seq in flight.pending}
+            src = [rows[id(seq)] for seq in sched.seqs]
+            index = self._row_index[: len(src)]
+            if src == list(range(len(src))):
+                device_tokens = (index, flight.tokens[: len(src)])
+            else:
+                device_tokens = (index, flight.tokens[torch.tensor(src, device=self.device)])
+        logits = self.model_runner.execute_model(
+            sched.seqs, sched.num_new_tokens, num_logits, device_tokens=device_tokens
+        )
         sampled = [s for s, m in zip(sched.seqs, sample_mask) if m]
-        tokens: list[int] = []
+        tokens_dev = None
         if sampled:
             mask_stops_before_min_tokens(logits.unsqueeze(1), sampled)
             params = [s.sampling_params for s in sampled]
-            tokens = self.sampler(logits, params, [s.num_output_tokens for s in sampled]).tolist()
+            tokens_dev = self.sampler(logits, params, [s.num_output_tokens for s in sampled])
+        if tokens_dev is not None and self.async_scheduling and all(sample_mask):
+            new_flight = self._launch_copy(tokens_dev)
+            if flight is not None:  # the previous step's tokens: wait for them (the device runs on)
+                outputs += self._commit_in_flight(finished_only)
+            self._leave_in_flight(sched, new_flight)
+            return outputs
+        assert flight is None  # a step after one in flight decodes every sequence
+        tokens = tokens_dev.tolist() if tokens_dev is not None else []
         it = iter(tokens)
         committed = [[next(it)] if m else [] for m in sample_mask]
         for seq in self.scheduler.postprocess(sched, committed):
+            if seq.is_finished or not finished_only:
+                outputs.append(self.make_output(seq))
+        return outputs
+
+    # ---- async scheduling ---------------------------------------------------------------------
+
+    def _can_run_ahead(self, flight: _InFlight) -> bool:
+        """Whether the next step may launch before flight's tokens are committed: it must be a decode
+        of exactly the sequences pending in flight, none of which can finish by length with the
+        pending token (those are known finished), without preempting anyone for KV blocks."""
+        sch = self.scheduler
+        running = sch.running
+        if sch.waiting or not running or len(running) > sch.max_num_batched_tokens:
+            return False
+        pending = {id(seq) for _, seq in flight.pending}
+        bs = self.block_manager.block_size
+        new_blocks = 0
+        for seq in running:
+            if id(seq) not in pending or seq.num_tokens - seq.num_computed_tokens != 1:
+                return False
+            max_tokens = seq.sampling_params.max_tokens
+            if (
+                max_tokens is not None and seq.num_output_tokens >= max_tokens
+            ) or seq.num_tokens >= self.max_model_len:
+                return False
+            new_blocks += seq.num_tokens > len(seq.block_table) * bs
+        return new_blocks <= self.block_manager.num_free_blocks
+
+    def _launch_copy(self, tokens: torch.Tensor) -> _InFlight:
+        """Start the device->host copy of a step's sampled tokens [S] int64."""
+        if self.device.type != "cuda":
+            return _InFlight(tokens=tokens, host=tokens, done=None)
+        self._token_host.reverse()  # the other buffer: the previous step's may still be unread
+        host = self._token_host[0][: tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _InFlight(tokens=tokens, host=host, done=done)
+
+    def _leave_in_flight(self, sched: SchedulerOutput, flight: _InFlight) -> None:
+        """Advance sched's sequences past this step's inputs with a PENDING_TOKEN each (sequences
+        that finished while it was launched keep nothing) and remember the step as in flight."""
+        for row, seq in enumerate(sched.seqs):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += sched.num_new_tokens[row]
+            self.block_manager.cache_blocks(seq)  # every token it hashes is committed
+            seq.token_ids.append(PENDING_TOKEN)
+            flight.pending.append((row, seq))
+        self._in_flight = flight
+
+    def _commit_in_flight(self, finished_only: bool) -> list[RequestOutput]:
+        """Wait for the in-flight step's tokens and commit them (one host sync)."""
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        if flight.done is not None:
+            flight.done.synchronize()
+        tokens = flight.host.tolist()
+        outputs = []
+        for row, seq in flight.pending:
+            if (
+                seq.is_finished
+            ):  # cannot happen (abort_request drops its pending entry); never pop a real token
+                continue
+            seq.token_ids.pop()  # PENDING_TOKEN
+            self.scheduler.commit(seq, [tokens[row]])
             if seq.is_finished or not finished_only:
                 outputs.append(self.make_output(seq))
         return outputs

@@ -138,14 +138,19 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += num_new
             self.block_manager.cache_blocks(seq)
-            for token_id in new_ids:
-                if commit_token(seq, token_id, max_model_len=self.max_model_len, tokenizer=self.tokenizer):
-                    break
-            if seq.is_finished:
-                self._free(seq)
-            if new_ids or seq.is_finished:
+            if self.commit(seq, new_ids):
                 changed.append(seq)
         return changed
+
+    def commit(self, seq: Sequence, token_ids: Seq[int]) -> bool:
+        """Commit generated tokens to a running seq until one finishes it (then free its blocks).
+        Returns whether seq got a token or finished."""
+        for token_id in token_ids:
+            if commit_token(seq, token_id, max_model_len=self.max_model_len, tokenizer=self.tokenizer):
+                break
+        if seq.is_finished:
+            self._free(seq)
+        return bool(token_ids) or seq.is_finished
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a request with reason "abort" and free its blocks; None if it is unknown or done."""

@@ -94,6 +94,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         default=None,
         help="never use CUDA graphs (by default decode, verify and draft steps replay them on CUDA)",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each plain decode step before the previous step's tokens reach the host "
+        "(default: on for CUDA, off elsewhere)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,6 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config",
         "attention_backend",
         "enforce_eager",
+        "async_scheduling",
     ]
     kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     kwargs["model"] = resolve_model_path(args.model)

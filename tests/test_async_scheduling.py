@@ -1,0 +1,144 @@
+"""async_scheduling: a plain decode step launched before the previous step's tokens are committed
+gives the same outputs as stepping synchronously (fp32, CPU, where the overlap is forced on)."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import tiny_checkpoint
+from test_engine import assert_all_blocks_free, bytes_per_block, random_ids
+
+from thinkspec import LLM, SamplingParams
+from thinkspec.engine.engine import PENDING_TOKEN, EngineConfig, LLMEngine
+
+
+def _llm(path, async_scheduling: bool, **kw) -> LLM:
+    return LLM(str(path), device="cpu", seed=0, async_scheduling=async_scheduling, **kw)
+
+
+def _count_run_ahead(engine: LLMEngine) -> list[int]:
+    """Counts execute_model calls that took the previous step's tokens on the device."""
+    calls = [0]
+    original = engine.model_runner.execute_model
+
+    def execute_model(*args, **kwargs):
+        calls[0] += kwargs.get("device_tokens") is not None
+        return original(*args, **kwargs)
+
+    engine.model_runner.execute_model = execute_model
+    return calls
+
+
+def _pair(path, **kw) -> tuple[LLM, LLM]:
+    return _llm(path, False, **kw), _llm(path, True, **kw)
+
+
+def test_defaults_and_validation():
+    path = tiny_checkpoint("qwen3", tied=False)
+    assert not LLM(str(path), device="cpu").llm_engine.async_scheduling  # off on CPU unless asked
+    assert _llm(path, True).llm_engine.async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+        EngineConfig("some/model", async_scheduling="yes")
+
+
+def test_greedy_equal_with_chunking_prefix_cache_and_preemption():
+    path = tiny_checkpoint("qwen3", tied=False)
+    block_size, num_blocks = 4, 24
+    kw = dict(
+        block_size=block_size, max_num_seqs=4, max_num_batched_tokens=24,
+        kv_cache_memory=num_blocks * bytes_per_block(path, block_size),
+    )  # fmt: skip
+    sync, overlap = _pair(path, **kw)
+    ahead = _count_run_ahead(overlap.llm_engine)
+    shared = random_ids(20, seed=1)
+    prompts = [shared + random_ids(3, 2), shared + random_ids(17, 3), random_ids(5, 4), random_ids(30, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (14, 3, 21, 9)]
+    for _ in range(2):  # the second round reuses cached prefix blocks
+        want = sync.generate(prompts, params, use_tqdm=False)
+        got = overlap.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(got, want):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+            assert a.metrics.num_generated_tokens == len(a.outputs[0].token_ids)
+    assert overlap.llm_engine.num_preemptions > 0 and sync.llm_engine.num_preemptions > 0
+    assert ahead[0] > 10
+    assert_all_blocks_free(overlap.llm_engine)
+
+
+def test_sampling_stops_and_min_tokens_equal():
+    path = tiny_checkpoint("qwen3", tied=False)
+    sync, overlap = _pair(path, max_num_seqs=8)
+    prompts = [random_ids(n, seed=30 + n) for n in (4, 9, 13, 6)]
+    probe = sync.generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    stop_id = probe[0].outputs[0].token_ids[5]  # a token greedy decoding emits mid-way
+    text = probe[0].outputs[0].text
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=8, stop_token_ids=[stop_id], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, stop=[text[4:6]] if len(text) >= 6 else None),
+    ]
+    want = sync.generate(prompts, params, use_tqdm=False)
+    got = overlap.generate(prompts, params, use_tqdm=False)
+    assert want[0].outputs[0].finish_reason == "stop" and want[0].outputs[0].token_ids[-1] == stop_id
+    for a, b in zip(got, want):
+        assert (a.outputs[0].token_ids, a.outputs[0].text) == (b.outputs[0].token_ids, b.outputs[0].text)
+        assert (a.outputs[0].finish_reason, a.outputs[0].stop_reason) == (
+            b.outputs[0].finish_reason, b.outputs[0].stop_reason,
+        )  # fmt: skip
+    assert_all_blocks_free(overlap.llm_engine)
+
+
+def test_streamed_outputs_never_show_the_pending_token_and_abort_in_flight():
+    path = tiny_checkpoint("qwen3", tied=False)
+    engine = _llm(path, True, block_size=4).llm_engine
+    pa, pb = random_ids(11, 20), random_ids(6, 21)
+    engine.add_request(pa, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "a")
+    engine.add_request(pb, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "b")
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(5):
+        for out in engine.step():
+            ids = out.outputs[0].token_ids
+            assert PENDING_TOKEN not in ids and ids[: len(seen[out.request_id])] == seen[out.request_id]
+            seen[out.request_id] = ids
+    assert engine._in_flight is not None  # "a" has a token in flight right now
+    engine.abort_request("a")
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert PENDING_TOKEN not in out.outputs[0].token_ids
+            if out.finished:
+                final[out.request_id] = out
+    a, b = final["a"].outputs[0], final["b"].outputs[0]
+    assert a.finish_reason == "abort" and a.token_ids == seen["a"] and len(a.token_ids) < 30
+    ref = _llm(path, False, block_size=4).generate(
+        [pa, pb], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
+    assert a.token_ids == ref[0].outputs[0].token_ids[: len(a.token_ids)]
+    assert b.token_ids == ref[1].outputs[0].token_ids[:8] and b.finish_reason == "length"
+    assert_all_blocks_free(engine)
+
+
+def test_the_last_step_commits_without_a_wasted_launch():
+    # A request that ends by length is known to end: no step is launched past its last token.
+    path = tiny_checkpoint("qwen3", tied=False)
+    engine = _llm(path, True).llm_engine
+    launched = []
+    original = engine.model_runner.execute_model
+    engine.model_runner.execute_model = lambda seqs, *a, **k: (
+        launched.append(len(seqs)) or original(seqs, *a, **k)
+    )
+    engine.add_request(random_ids(5, 3), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "x")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(launched) == 6  # one prefill and five decodes for six tokens
+    assert_all_blocks_free(engine)
+
+
+def test_speculative_decoding_refuses_async_scheduling():
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="async_scheduling=True .* speculative"):
+        EngineConfig("some/model", speculative_config=spec, async_scheduling=True)
+    path = tiny_checkpoint("qwen3", tied=False)
+    assert not LLM(str(path), device="cpu", speculative_config=spec).llm_engine.async_scheduling
