@@ -4,8 +4,7 @@ For each projection of the Qwen3-8B target and the Qwen3-0.6B draft (bf16), and 
 (batch), builds one weight per layer (so the weights of a step do not fit in L2, as in a real
 step), captures a CUDA graph of the layers' products one after another, and reports microseconds
 per product, the achieved read rate and the ratio to the HBM floor (weight bytes / --bandwidth),
-for cuBLAS, for every Triton launch shape in the grid, and for the default shape with and
-without its weight prefetch and programmatic dependent launch; checks each Triton result against
+for cuBLAS and for every Triton launch shape in the grid; checks each Triton result against
 F.linear first. Writes JSON (--out) and prints the best shape per projection last.
 
     python benchmarks/bench_gemv.py --out gemv.json
@@ -89,11 +88,6 @@ def main() -> None:
                     raise AssertionError(f"{name} rows {m} config {cfg}: max error {err}")
                 run = lambda x=x, ws=ws, cfg=cfg: [gemv(x, w, config=cfg) for w in ws]  # noqa: E731
                 row["triton"][",".join(map(str, cfg))] = graph_us(run) / layers
-            # The default shape without the weight prefetch and/or programmatic dependent launch.
-            row["variants"] = {}
-            for prefetch, pdl in ((False, False), (True, False), (False, True), (True, True)):
-                run = lambda x=x, ws=ws, p=prefetch, d=pdl: [gemv(x, w, prefetch=p, pdl=d) for w in ws]  # noqa: E731
-                row["variants"][f"prefetch={int(prefetch)},pdl={int(pdl)}"] = graph_us(run) / layers
             default = ",".join(map(str, gemv_config(m, n, k)))
             best = min(row["triton"], key=row["triton"].get)
             row.update(best=best, best_us=row["triton"][best], default=default,
@@ -102,8 +96,7 @@ def main() -> None:
             print(f"{name:<14} rows {m}  floor {floor_us:7.1f}  "
                   f"cublas {cublas:7.1f} ({cublas / floor_us:.2f}x)  "
                   f"triton best {row['best_us']:7.1f} ({row['best_us'] / floor_us:.2f}x) [{best}]  "
-                  f"default {row['default_us'] or float('nan'):7.1f} [{default}]  "
-                  + " ".join(f"{k} {v:.1f}" for k, v in row["variants"].items()), flush=True)  # fmt: skip
+                  f"default {row['default_us'] or float('nan'):7.1f} [{default}]", flush=True)  # fmt: skip
         ws.clear()
         torch.cuda.empty_cache()
     if args.out:

@@ -81,18 +81,6 @@ def test_interp_gemv_launch_shapes_agree(config):
 
 
 @interp
-@pytest.mark.parametrize("k", [7, 512, 1500])
-def test_interp_gemv_without_prefetch_is_identical(k):
-    g = torch.Generator().manual_seed(k)
-    x, w = torch.randn(2, k, generator=g), torch.randn(33, k, generator=g)
-    assert torch.equal(gemv(x, w, prefetch=False), gemv(x, w))
-
-
-def test_pdl_is_off_on_cpu():
-    assert not gemv_triton.use_pdl(torch.device("cpu"))
-
-
-@interp
 def test_interp_gemv_ties_infinities_and_nan_propagate():
     x = torch.tensor([[1.0, -2.0, 0.5, 0.0]])
     inf, nan = float("inf"), float("nan")
@@ -164,29 +152,3 @@ def test_gpu_gemv_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert not torch.equal(captured, eager)
     assert torch.equal(captured, gemv(x, w))
-
-
-@gpu
-@torch.inference_mode()
-def test_gpu_chained_pdl_launches_read_the_previous_output():
-    # Each launch reads what the one before it wrote: the dependent launch must wait for it, also
-    # when the chain replays from a CUDA graph (programmatic edges).
-    assert gemv_triton.use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
-    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(8)]
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def chain(pdl: bool) -> torch.Tensor:
-        y = x
-        for w in ws:
-            y = gemv(y, w, pdl=pdl)
-        return y
-
-    ref = chain(False)
-    assert torch.equal(chain(True), ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(True)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        assert torch.equal(captured, chain(False))

@@ -70,10 +70,7 @@ def _all(dtype: str, *names: str) -> dict[str, str]:
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_compiles(dtype, residual):
     ptrs = _all(dtype, "x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr")
-    compile_sm90(
-        ft._rms_norm_kernel, ptrs, {"HAS_RESIDUAL": residual, "BLOCK": 4096, "PDL_TRIGGER": residual}, 8,
-        **ft._COMPILE,
-    )  # fmt: skip
+    compile_sm90(ft._rms_norm_kernel, ptrs, {"HAS_RESIDUAL": residual, "BLOCK": 4096}, 8, **ft._COMPILE)
 
 
 @pytest.mark.parametrize("block_h", [1, 4])
@@ -88,11 +85,7 @@ def test_qk_norm_rope_compiles(block_h, has_norm):
 
 
 def test_silu_and_mul_compiles():
-    ptrs = _all("bf16", "x_ptr", "out_ptr")
-    compiled = compile_sm90(
-        ft._silu_and_mul_kernel, ptrs, {"BLOCK": 1024, "PDL_TRIGGER": True}, 4, **ft._COMPILE
-    )
-    assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
+    compile_sm90(ft._silu_and_mul_kernel, _all("bf16", "x_ptr", "out_ptr"), {"BLOCK": 1024}, 4, **ft._COMPILE)
 
 
 def test_store_kv_compiles():
@@ -111,12 +104,12 @@ def test_paged_attention_compiles(dtype, splits, block_q):
     ptrs["out_ptr"] = "fp32" if splits > 1 else dtype
     constexprs = {
         "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 64, "BLOCK_D": 128,
-        "NUM_SPLITS": splits, "FP32_DOT": dtype == "fp32", "PDL_TRIGGER": splits == 1,
+        "NUM_SPLITS": splits, "FP32_DOT": dtype == "fp32",
     }  # fmt: skip
     compile_sm90(at._paged_attn_kernel, ptrs, constexprs, 4)
     if splits > 1:
         ptrs = {"acc_ptr": "fp32", "ml_ptr": "fp32", "out_ptr": dtype, "query_start_ptr": "i32"}
-        compile_sm90(at._combine_kernel, ptrs, {"NUM_SPLITS": splits, "BLOCK_D": 128, "PDL_TRIGGER": True}, 4)
+        compile_sm90(at._combine_kernel, ptrs, {"NUM_SPLITS": splits, "BLOCK_D": 128}, 4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
@@ -126,13 +119,12 @@ def test_gemv_compiles_without_spills(rows, k):
     block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k)
     constexprs = {
         "HAS_BIAS": rows == 2, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
-        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "PREFETCH": True, "PDL": rows == 1,
+        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0,
     }  # fmt: skip
     ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
-    kernel = compile_sm90(gt._gemv_kernel, ptrs, constexprs, warps, num_stages=stages, launch_pdl=rows == 1)
+    kernel = compile_sm90(gt._gemv_kernel, ptrs, constexprs, warps, num_stages=stages)
     usage = resource_usage(kernel.asm["cubin"])
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-    assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == (rows == 1)  # PDL: waits before reading x
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

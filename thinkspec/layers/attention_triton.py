@@ -24,7 +24,6 @@ import triton.language as tl
 
 from thinkspec.layers.attention_torch import TorchAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
-from thinkspec.layers.gemv_triton import gdc_launch_dependents, use_pdl
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(x - m) stays NaN-free
@@ -96,10 +95,7 @@ def _paged_attn_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,  # fp32 operands, exact products (fp32 inputs; bf16 under the interpreter)
-    PDL_TRIGGER: tl.constexpr,  # let a following programmatic dependent launch (o_proj's GEMV) start now
 ):
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
     h_kv = tl.program_id(2) // NUM_SPLITS
@@ -192,10 +188,7 @@ def _combine_kernel(
     head_dim,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,
 ):
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(query_start_ptr + num_seqs):
@@ -333,18 +326,17 @@ class TritonAttentionBackend:
             ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
             strides = (dst.stride(0), dst.stride(1), dst.stride(2))
         fp32_dot = q.dtype == torch.float32 or (_interpreting() and q.dtype == torch.bfloat16)
-        pdl = use_pdl(q.device)
         _paged_attn_kernel[(num_seqs, q_tiles, num_kv_heads * splits)](
             q, q.stride(0), q.stride(1),
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables, meta.block_tables.stride(0), meta.query_start_loc, meta.seq_lens,
             dst, *strides, ml, scale * _LOG2E, num_heads, head_dim,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot, PDL_TRIGGER=pdl and splits == 1,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot,
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(num_tokens, num_heads)](
                 dst, ml, out, out.stride(0), out.stride(1), meta.query_start_loc, num_seqs, num_heads,
-                head_dim, NUM_SPLITS=splits, BLOCK_D=block_d, PDL_TRIGGER=pdl,
+                head_dim, NUM_SPLITS=splits, BLOCK_D=block_d,
             )  # fmt: skip
         return out

@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.gemv_triton import gdc_launch_dependents, use_pdl
-
 _COMPILE = {"enable_fp_fusion": False}
 
 
@@ -44,10 +42,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,  # let a following programmatic dependent launch (the GEMV) start now
 ):
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -97,8 +92,7 @@ def rms_norm(
         _rms_norm_kernel[(rows,)](
             x2, x2.stride(0), res2, res2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
             weight, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL_TRIGGER=use_pdl(x.device),
-            num_warps=min(max(block // 512, 1), 16),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
             **_COMPILE,
         )  # fmt: skip
     if residual is None:
@@ -267,10 +261,7 @@ def _silu_and_mul_kernel(
     stride_out,
     n_cols,  # I
     BLOCK: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,  # let a following programmatic dependent launch (the GEMV) start now
 ):
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -299,14 +290,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_and_mul needs the last dim of x contiguous")
     block = min(triton.next_power_of_2(n), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-        x,
-        x.stride(0),
-        out,
-        out.stride(0),
-        n,
-        BLOCK=block,
-        PDL_TRIGGER=use_pdl(x.device),
-        num_warps=4,
-        **_COMPILE,
+        x, x.stride(0), out, out.stride(0), n, BLOCK=block, num_warps=4, **_COMPILE
     )
     return out

@@ -18,28 +18,9 @@ capturable. On CPU this runs under TRITON_INTERPRET=1 (tests); `F.linear` is the
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-try:  # grid dependency control (programmatic dependent launch, sm_90+)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_PDL = "launch_pdl" in getattr(triton.backends.nvidia.compiler.CUDAOptions, "__dataclass_fields__", {})
-except (ImportError, AttributeError):
-    HAS_PDL = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
-
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 
@@ -60,9 +41,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask on x
-    PREFETCH: tl.constexpr,  # load the next weight tile before using this one
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch (gdc_wait before reading x)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -73,28 +52,17 @@ def _gemv_kernel(
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
     x_base = x_ptr + rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL:
-        gdc_launch_dependents()  # a following PDL launch may start now and prefetch its own weights
-    if PREFETCH:
-        # Loads of tile i+1 are issued before tile i is used; the first weight tile does not depend
-        # on x, so it is read before waiting for the kernel that writes x.
-        w = tl.load(
-            w_base, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0, eviction_policy="evict_first"
-        )
-    if PDL:
-        gdc_wait()
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
+            w = tl.load(w_base + k0, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_base + k0, mask=row_ok[:, None], other=0.0)
         else:
-            x = tl.load(x_base + k0, mask=row_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
-        k_next = k0 + BLOCK_K if PREFETCH else k0
-        w_mask = col_ok[:, None] & ((k_next + ks) < K)[None, :]
-        w_next = tl.load(w_base + k_next, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if not PREFETCH:
-            w = w_next
+            k_ok = (k0 + ks) < K
+            w = tl.load(
+                w_base + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
+            )
+            x = tl.load(x_base + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        w = w_next
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -113,32 +81,15 @@ def gemv_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
     return 2, block_k, 4, 1
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether launches on device may be programmatic dependent launches (Hopper or newer, CUDA)."""
-    if not HAS_PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.cache
-def _compute_capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
-    prefetch: bool = True,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
 
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others).
-    prefetch: issue each weight tile's loads one step ahead. pdl: launch as a programmatic dependent
-    launch, so the first weight tile streams in while the kernel before it finishes (default
-    use_pdl(x.device)); results are identical either way."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k:
@@ -154,13 +105,10 @@ def gemv(
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     block_n, block_k, warps, stages = config or gemv_config(m, n, k)
-    pdl = use_pdl(x.device) if pdl is None else pdl and use_pdl(x.device)
-    launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
         m, n, k,
         HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, PREFETCH=prefetch, PDL=pdl, num_warps=warps,
-        num_stages=stages, **launch,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
