@@ -103,6 +103,14 @@ def test_streamed_outputs_never_show_the_pending_token_and_abort_in_flight():
             assert PENDING_TOKEN not in ids and ids[: len(seen[out.request_id])] == seen[out.request_id]
             seen[out.request_id] = ids
     assert engine._in_flight is not None  # "a" has a token in flight right now
+    engine.async_scheduling = False  # switched off with a step in flight: the next step commits it first
+    engine.step()
+    assert engine._in_flight is None
+    engine.async_scheduling = True
+    for _ in range(2):
+        for out in engine.step():
+            seen[out.request_id] = out.outputs[0].token_ids
+    assert engine._in_flight is not None
     engine.abort_request("a")
     final = {}
     while engine.has_unfinished_requests():

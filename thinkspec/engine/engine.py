@@ -466,7 +466,7 @@ class LLMEngine:
         and only then waits for them and commits them; its outputs come one step() later."""
         outputs, self._pending_outputs = self._pending_outputs, []
         flight = self._in_flight
-        if flight is not None and not self._can_run_ahead(flight):
+        if flight is not None and not (self.async_scheduling and self._can_run_ahead(flight)):
             outputs += self._commit_in_flight(finished_only)
             flight = None
         spec = self.speculator
@@ -579,9 +579,8 @@ class LLMEngine:
         tokens = flight.host.tolist()
         outputs = []
         for row, seq in flight.pending:
-            if (
-                seq.is_finished
-            ):  # cannot happen (abort_request drops its pending entry); never pop a real token
+            # A finished seq has no pending entry (abort_request drops it): never pop a real token.
+            if seq.is_finished:
                 continue
             seq.token_ids.pop()  # PENDING_TOKEN
             self.scheduler.commit(seq, [tokens[row]])
