@@ -12,7 +12,8 @@
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
 #               "batch[:max_model_len[:sync]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
-#               max_model_len when empty; sync = async_scheduling off)
+#               max_model_len when empty; sync = async_scheduling off); STEP_ARGS go to every run
+#               (e.g. "--prompt-len 384" for a longer context)
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
 #               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
@@ -83,7 +84,7 @@ if has step; then
     [ -n "$len" ] && args+=("\"max_model_len\": $len")
     [ "$mode" = sync ] && args+=("\"async_scheduling\": false")
     name="step_${bs}_${len:-short}${mode:+_$mode}"
-    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" \
+    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" ${STEP_ARGS:-} \
       --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21
     note "step batch $bs max_model_len ${len:-short} ${mode:-async}: exit ${PIPESTATUS[0]}"
     steps+=("$OUT/$name.json")
