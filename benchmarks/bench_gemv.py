@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+import triton
 
 from thinkspec.layers.gemv_triton import gemv, gemv_config
 
@@ -80,7 +81,7 @@ def main() -> None:
             cublas = graph_us(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws]) / layers
             row = dict(shape=name, n=n, k=k, rows=m, floor_us=floor_us, cublas_us=cublas, triton={})
             for bn, bk, warps, stages in grid:
-                if m * bn * bk // (32 * warps) > 128 or bk > 2 * triton_next_pow2(k):
+                if m * bn * bk // (32 * warps) > 128 or bk > 2 * triton.next_power_of_2(k):
                     continue  # too many accumulator registers per thread, or a block far past K
                 cfg = (bn, bk, warps, stages)
                 err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
@@ -102,10 +103,6 @@ def main() -> None:
     if args.out:
         result = dict(device=torch.cuda.get_device_name(dev), rows=rows_out)
         Path(args.out).write_text(json.dumps(result, indent=1))
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
 
 
 if __name__ == "__main__":
