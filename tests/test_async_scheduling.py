@@ -150,3 +150,47 @@ def test_speculative_decoding_refuses_async_scheduling():
         EngineConfig("some/model", speculative_config=spec, async_scheduling=True)
     path = tiny_checkpoint("qwen3", tied=False)
     assert not LLM(str(path), device="cpu", speculative_config=spec).llm_engine.async_scheduling
+
+
+def test_async_server_engine_streams_and_aborts_with_overlap():
+    # The server's engine thread (AsyncLLMEngine) over an overlapping LLMEngine: concurrent streams,
+    # one closed early, the others equal to synchronous stepping; nothing is left held afterwards.
+    import asyncio
+    import time
+
+    from thinkspec.entrypoints.async_engine import AsyncLLMEngine
+
+    path = tiny_checkpoint("qwen3", tied=False)
+    prompts = [random_ids(n, seed=50 + n) for n in (5, 8, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 17, 40)]
+    want = _llm(path, False).generate(prompts, params, use_tqdm=False)
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(str(path), device="cpu", seed=0, async_scheduling=True)))
+    engine.start()
+
+    async def run(i: int, close_after: int | None) -> list[int]:
+        ids: list[int] = []
+        gen = engine.generate({"prompt_token_ids": prompts[i]}, params[i], f"r{i}")
+        async for out in gen:
+            new = out.outputs[0].token_ids
+            assert PENDING_TOKEN not in new and new[: len(ids)] == ids
+            ids = new
+            if close_after is not None and len(ids) >= close_after:
+                break
+        await gen.aclose()
+        return ids
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(run(0, None), run(1, None), run(2, 3))
+
+    try:
+        got = asyncio.run(main())
+        assert got[0] == want[0].outputs[0].token_ids and got[1] == want[1].outputs[0].token_ids
+        assert 3 <= len(got[2]) < 40 and got[2] == want[2].outputs[0].token_ids[: len(got[2])]
+        deadline = time.monotonic() + 10
+        while engine.stats.num_kv_blocks_used or engine.stats.num_running:
+            assert time.monotonic() < deadline, engine.stats
+            time.sleep(0.05)
+        assert engine.is_healthy
+    finally:
+        engine.shutdown()
+    assert_all_blocks_free(engine.engine)
