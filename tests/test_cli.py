@@ -37,8 +37,21 @@ def test_engine_flags_spelled_as_vllm(capsys, command):
         "--max-model-len",
         "--dtype",
         "--gpu-memory-utilization",
+        "--async-scheduling",
     ):
         assert flag in text
+
+
+def test_engine_flags_reach_the_llm_arguments():
+    from thinkspec.entrypoints.cli import engine_kwargs
+
+    def kwargs(*flags: str) -> dict:
+        return engine_kwargs(build_parser().parse_args(["generate", "toy-reasoner", *flags]))
+
+    assert "async_scheduling" not in kwargs() and "enforce_eager" not in kwargs()  # the LLM defaults
+    assert kwargs("--async-scheduling")["async_scheduling"] is True
+    assert kwargs("--no-async-scheduling")["async_scheduling"] is False
+    assert kwargs("--enforce-eager")["enforce_eager"] is True
 
 
 def test_serve_help_documents_server_flags(capsys):
