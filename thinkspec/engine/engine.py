@@ -534,7 +534,7 @@ class LLMEngine:
         if sch.waiting or not running or len(running) > sch.max_num_batched_tokens:
             return False
         pending = {id(seq) for _, seq in flight.pending}
-        bs = self.block_manager.block_size
+        bm = self.block_manager
         new_blocks = 0
         for seq in running:
             if id(seq) not in pending or seq.num_tokens - seq.num_computed_tokens != 1:
@@ -544,8 +544,9 @@ class LLMEngine:
                 max_tokens is not None and seq.num_output_tokens >= max_tokens
             ) or seq.num_tokens >= self.max_model_len:
                 return False
-            new_blocks += seq.num_tokens > len(seq.block_table) * bs
-        return new_blocks <= self.block_manager.num_free_blocks
+            # The slots it needs (as the scheduler counts them, no lookahead): up to the pending token.
+            new_blocks += max(0, bm.blocks_for(seq.num_tokens) - len(seq.block_table))
+        return new_blocks <= bm.num_free_blocks
 
     def _launch_copy(self, tokens: torch.Tensor) -> _InFlight:
         """Start the device->host copy of a step's sampled tokens [S] int64."""
