@@ -8,6 +8,7 @@
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
+#   attention   batch-1 decode attention: Triton launch shapes x contexts, us per layer (ATTENTION_ARGS)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
@@ -58,6 +59,12 @@ if has gemv; then
   timeout "${GEMV_TIMEOUT:-240}" $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
     | tee "$OUT/gemv.log"
   note "gemv: exit ${PIPESTATUS[0]}"
+fi
+
+if has attention; then
+  timeout "${ATTENTION_TIMEOUT:-240}" $PY benchmarks/bench_attention.py --out "$OUT/attention.json" \
+    ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log"
+  note "attention: exit ${PIPESTATUS[0]}"
 fi
 
 if has tune; then

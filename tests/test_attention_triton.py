@@ -28,6 +28,19 @@ from thinkspec.layers.norm import RMSNorm  # noqa: E402
 gpu = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _poisoned_empty_like(monkeypatch):
+    """torch.empty_like gives NaN-filled tensors here, so rows the kernels never write show up."""
+    full_like = torch.full_like
+
+    def empty_like(x, **kwargs):
+        if x.is_floating_point() and kwargs.get("dtype", x.dtype).is_floating_point:
+            return full_like(x, float("nan"), **kwargs)
+        return full_like(x, 0, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
 @parent_only
 def test_kernels_under_interpreter():
     run_interpreter_cases(__file__)
@@ -61,13 +74,18 @@ def test_constructor_rejects_bad_settings():
         TritonAttentionBackend(min_split_len=0)
     with pytest.raises(ValueError, match="target_programs must be None or an integer >= 1, got 0"):
         TritonAttentionBackend(target_programs=0)
+    with pytest.raises(ValueError, match="num_warps must be None or a power of two >= 1, got 3"):
+        TritonAttentionBackend(num_warps=3)
+    with pytest.raises(ValueError, match="num_stages must be None or an integer >= 1, got 0"):
+        TritonAttentionBackend(num_stages=0)
 
 
 def test_choose_splits_from_host_shape_only():
     cpu = torch.device("cpu")
     be = TritonAttentionBackend(target_programs=256, min_split_len=512, max_splits=32)
     assert be.choose_splits(programs=8, max_seq_len=8192, device=cpu) == 16  # few programs, long context
-    assert be.choose_splits(programs=8, max_seq_len=2000, device=cpu) == 2  # capped by context length
+    assert be.choose_splits(programs=8, max_seq_len=2000, device=cpu) == 4  # capped by context length
+    assert be.choose_splits(programs=8, max_seq_len=1024, device=cpu) == 2  # splits of >= 256 keys
     assert be.choose_splits(programs=8, max_seq_len=100, device=cpu) == 1  # short context: no split
     assert be.choose_splits(programs=512, max_seq_len=8192, device=cpu) == 1  # grid already full
     assert be.choose_splits(programs=1, max_seq_len=10**6, device=cpu) == 32  # max_splits

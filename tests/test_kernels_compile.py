@@ -91,7 +91,7 @@ def test_silu_and_mul_compiles():
 def test_store_kv_compiles():
     ptrs = _all("bf16", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
     ptrs["slot_ptr"] = "i64"
-    compile_sm90(at._store_kv_kernel, ptrs, {"BLOCK_H": 8, "BLOCK_D": 128}, 4)
+    compile_sm90(at._store_kv_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128}, 4)
 
 
 @pytest.mark.parametrize(
@@ -103,13 +103,14 @@ def test_paged_attention_compiles(dtype, splits, block_q):
     ptrs.update(block_tables_ptr="i32", query_start_ptr="i32", seq_lens_ptr="i32", ml_ptr="fp32")
     ptrs["out_ptr"] = "fp32" if splits > 1 else dtype
     constexprs = {
-        "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 64, "BLOCK_D": 128,
+        "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 64,
+        "BLOCK_D": 128,
         "NUM_SPLITS": splits, "FP32_DOT": dtype == "fp32",
     }  # fmt: skip
     compile_sm90(at._paged_attn_kernel, ptrs, constexprs, 4)
     if splits > 1:
         ptrs = {"acc_ptr": "fp32", "ml_ptr": "fp32", "out_ptr": dtype, "query_start_ptr": "i32"}
-        compile_sm90(at._combine_kernel, ptrs, {"NUM_SPLITS": splits, "BLOCK_D": 128}, 4)
+        compile_sm90(at._combine_kernel, ptrs, {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_D": 128}, 4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])

@@ -10,7 +10,8 @@ ints (T, B, meta.max_query_len, meta.max_seq_len, head counts), so a step can be
   3. _combine_kernel      grid (T, Hq)                   only when S > 1 (split-KV): merges the S partial
                           (max, sum, acc) of each row.
 Sequences are located from query_start_loc / seq_lens inside the kernels; no device value is read on
-the host. Rows past query_start_loc[-1] (padding) come out zero.
+the host. Rows past query_start_loc[-1] (padding) come out zero, written by the programs of the first
+sequence's first query tile (S == 1) or by the combine (S > 1), so the output needs no zero-fill.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(
 
 
 @triton.jit
+def _rows_mask(rows_ok, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Mask of a [rows, BLOCK_D] tile: rows_ok [rows] and d < HEAD_DIM; [rows, 1] when d needs none."""
+    if HEAD_DIM == BLOCK_D:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & (d < HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,  # [T, Hkv, D], last dim contiguous
     v_ptr,  # [T, Hkv, D], last dim contiguous
@@ -45,7 +55,7 @@ def _store_kv_kernel(
     slot_ptr,  # [T] int64, -1 = padding
     block_size,
     num_kv_heads,
-    head_dim,
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -55,9 +65,11 @@ def _store_kv_kernel(
         return
     blk = slot // block_size
     off = slot % block_size
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < num_kv_heads) & (d < head_dim)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = _rows_mask(h < num_kv_heads, d, HEAD_DIM, BLOCK_D)
+    h = h[:, None]
+    d = d[None, :]
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     tl.store(k_cache_ptr + dst, kv.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -86,7 +98,8 @@ def _paged_attn_kernel(
     ml_ptr,  # S > 1: [T, Hq, S, 2] float32 partial (max, sum) in log2 units; unused when S == 1
     qk_scale,  # softmax scale * log2(e)
     num_heads,
-    head_dim,
+    num_tokens,  # T, padding rows included
+    HEAD_DIM: tl.constexpr,  # a compile-time bound lets the compiler vectorise the d-masked loads
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (fixed per engine: one compile, shifts on powers of 2)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
@@ -101,6 +114,20 @@ def _paged_attn_kernel(
     h_kv = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
 
+    d = tl.arange(0, BLOCK_D)
+    if NUM_SPLITS == 1:  # noqa: SIM102 (compile-time branch around a run-time one)
+        if (b == 0) & (q_tile == 0):
+            # Padding rows (past the last sequence's tokens) come out zero: nothing else writes them.
+            g_pad = tl.arange(0, GROUP_PAD)
+            zero_mask = _rows_mask(g_pad < GROUP, d, HEAD_DIM, BLOCK_D)
+            q_end = tl.load(query_start_ptr + tl.num_programs(0))
+            zero_dst = out_ptr + q_end.to(tl.int64) * stride_ot + (h_kv * GROUP + g_pad)[:, None] * stride_oh
+            zero_dst += d[None, :]
+            zeros = tl.zeros([GROUP_PAD, BLOCK_D], out_ptr.dtype.element_ty)
+            for _ in range(q_end, num_tokens):
+                tl.store(zero_dst, zeros, mask=zero_mask)
+                zero_dst += stride_ot
+
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -114,13 +141,10 @@ def _paged_attn_kernel(
     g = r % GROUP_PAD
     row_ok = (qi < q_len) & (g < GROUP)
     head = h_kv * GROUP + g
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
     tok = (q_start + qi).to(tl.int64)
+    out_mask = _rows_mask(row_ok, d, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D] or [BLOCK_M, 1]
     q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0
     )  # [BLOCK_M, BLOCK_D]
     q_pos = ctx_len + qi  # [BLOCK_M] absolute position of each row's query
 
@@ -141,7 +165,7 @@ def _paged_attn_kernel(
         pos_ok = pos < hi
         blk = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + h_kv * stride_ch  # [BLOCK_N]
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        kv_mask = _rows_mask(pos_ok, d, HEAD_DIM, BLOCK_D)
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32_DOT:
@@ -162,7 +186,6 @@ def _paged_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
-    out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -179,27 +202,33 @@ def _paged_attn_kernel(
 def _combine_kernel(
     acc_ptr,  # [T, Hq, S, D] float32
     ml_ptr,  # [T, Hq, S, 2] float32 (max, sum) in log2 units
-    out_ptr,  # [T, Hq, D] q dtype, zero-initialised
+    out_ptr,  # [T, Hq, D] q dtype
     stride_ot,
     stride_oh,
     query_start_ptr,  # [B+1] int32
     num_seqs,
     num_heads,
-    head_dim,
+    HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    if t >= tl.load(query_start_ptr + num_seqs):
-        return  # padding row: stays zero
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
+    if t >= tl.load(query_start_ptr + num_seqs):  # padding row
+        tl.store(
+            out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+            tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
+        )
+        return
+
     row = t.to(tl.int64) * num_heads + h
     m = tl.load(ml_ptr + (row * NUM_SPLITS + s) * 2)  # [S]
     l_s = tl.load(ml_ptr + (row * NUM_SPLITS + s) * 2 + 1)
-    acc_off = (row * NUM_SPLITS + s)[:, None] * head_dim + d[None, :]
-    acc = tl.load(acc_ptr + acc_off, mask=(d < head_dim)[None, :], other=0.0)  # [S, BLOCK_D]
+    acc_off = (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :]
+    acc = tl.load(acc_ptr + acc_off, mask=_rows_mask(s >= 0, d, HEAD_DIM, BLOCK_D), other=0.0)  # [S, BLOCK_D]
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)  # empty splits: m = -1e30 -> weight 0
     den = tl.sum(w * l_s, 0)
@@ -207,7 +236,7 @@ def _combine_kernel(
     tl.store(
         out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
         o.to(out_ptr.dtype.element_ty),
-        mask=d < head_dim,
+        mask=d < HEAD_DIM,
     )
 
 
@@ -225,9 +254,11 @@ class TritonAttentionBackend:
 
     block_n: keys per tile (a power of two >= 16). num_splits: split-KV factor (a power of two), or
     None to choose it from the launch shape: split only when (sequences x query tiles x KV heads)
-    leaves the GPU under-filled and contexts are long enough that each split gets >= min_split_len keys.
+    leaves the GPU under-filled, into splits of at least min_split_len / 2 keys of the longest context
+    (a program's time grows with the tiles it walks one after another, so small batches split early).
     The chosen split follows meta.max_seq_len; set num_splits to keep one launch shape for a captured
     CUDA graph. target_programs (default 2 x SM count) is the grid size splitting aims for.
+    num_warps / num_stages: launch options of the attention kernel (None: Triton's defaults).
     """
 
     def __init__(
@@ -235,8 +266,10 @@ class TritonAttentionBackend:
         block_n: int = 64,
         num_splits: int | None = None,
         max_splits: int = 32,
-        min_split_len: int = 512,
+        min_split_len: int = 64,
         target_programs: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
     ) -> None:
         if not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
@@ -250,6 +283,15 @@ class TritonAttentionBackend:
             raise ValueError(f"min_split_len must be an integer >= 1, got {min_split_len!r}")
         if target_programs is not None and (not isinstance(target_programs, int) or target_programs < 1):
             raise ValueError(f"target_programs must be None or an integer >= 1, got {target_programs!r}")
+        for name, val in (("num_warps", num_warps), ("num_stages", num_stages)):
+            if val is not None and (
+                not isinstance(val, int) or val < 1 or (name == "num_warps" and val & (val - 1))
+            ):
+                allowed = "a power of two >= 1" if name == "num_warps" else "an integer >= 1"
+                raise ValueError(f"{name} must be None or {allowed}, got {val!r}")
+        self.launch = {
+            k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
+        }
         self.block_n = block_n
         self.num_splits = num_splits
         self.max_splits = max_splits
@@ -269,7 +311,7 @@ class TritonAttentionBackend:
         if self.num_splits is not None:
             return self.num_splits
         want = self._target_programs(device) // max(1, programs)
-        by_len = max_seq_len // self.min_split_len
+        by_len = _pow2(-(-max_seq_len // self.min_split_len))  # splits of >= min_split_len / 2 keys
         n = min(want, by_len, self.max_splits)
         return 1 if n < 2 else 1 << (n.bit_length() - 1)  # round down to a power of two
 
@@ -298,14 +340,14 @@ class TritonAttentionBackend:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         block_size = k_cache.shape[1]
         block_d = max(16, _pow2(head_dim))
-        out = torch.zeros_like(q)
-        if num_tokens == 0:
-            return out
+        if num_tokens == 0 or meta.num_seqs == 0:
+            return torch.zeros_like(q)
+        out = torch.empty_like(q)  # the kernels write every row, padding rows as zeros
 
         _store_kv_kernel[(num_tokens,)](
             k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.slot_mapping, block_size, num_kv_heads, head_dim,
+            meta.slot_mapping, block_size, num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_H=_pow2(num_kv_heads), BLOCK_D=block_d,
         )  # fmt: skip
 
@@ -330,13 +372,13 @@ class TritonAttentionBackend:
             q, q.stride(0), q.stride(1),
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables, meta.block_tables.stride(0), meta.query_start_loc, meta.seq_lens,
-            dst, *strides, ml, scale * _LOG2E, num_heads, head_dim,
+            dst, *strides, ml, scale * _LOG2E, num_heads, num_tokens, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot, **self.launch,
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(num_tokens, num_heads)](
                 dst, ml, out, out.stride(0), out.stride(1), meta.query_start_loc, num_seqs, num_heads,
-                head_dim, NUM_SPLITS=splits, BLOCK_D=block_d,
+                HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_D=block_d,
             )  # fmt: skip
         return out

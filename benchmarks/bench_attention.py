@@ -1,0 +1,148 @@
+"""Decode attention of a small batch over the paged KV cache: Triton launch shapes side by side.
+
+Qwen3-8B heads (32 query, 8 KV, head dim 128), bf16, KV block size 16, block tables shuffled.
+For each context length and batch, builds one KV cache per layer (so a step's caches do not sit
+in L2, as in a real step), captures a CUDA graph of one backend forward per layer (KV store,
+zero-fill, attention and, when split, the combine launch: everything a decode step pays for
+attention) and reports microseconds per layer and the ratio to the HBM floor of reading the K/V
+once (--bandwidth). Each launch shape is checked against the split-free default first. Writes
+JSON (--out) and prints the best shape per context last.
+
+    python benchmarks/bench_attention.py --out attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from thinkspec.layers.attention_triton import TritonAttentionBackend
+from thinkspec.layers.forward_context import AttentionMetadata
+
+HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one replay of a CUDA graph of fn()."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def decode_case(batch: int, context: int, layers: int, dev: torch.device, gen: torch.Generator):
+    """(q, k, v [batch, H, D], per-layer (k_cache, v_cache) [blocks, 16, HKV, D], metadata)."""
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq + 1
+    perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq]
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    slots = tables[:, (context - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32).to(dev),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32).to(dev),
+        slot_mapping=slots.to(dev),
+        block_tables=tables.to(dev),
+        max_query_len=1,
+        max_seq_len=context,
+    )
+    shape = (num_blocks, BLOCK_SIZE, HKV, D)
+    caches = [
+        (
+            torch.randn(shape, device=dev, dtype=torch.bfloat16),
+            torch.randn(shape, device=dev, dtype=torch.bfloat16),
+        )
+        for _ in range(layers)
+    ]
+    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16)
+    return q, k, v, caches, meta
+
+
+def layer_us(backend: TritonAttentionBackend, case) -> float:
+    """Microseconds per layer of a graph of one forward per layer's cache."""
+    q, k, v, caches, meta = case
+    return graph_us(lambda: [backend.forward(q, k, v, kc, vc, meta, D**-0.5) for kc, vc in caches]) / len(
+        caches
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--contexts", default="128,256,384,1024,4096")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,3")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--bandwidth", type=float, default=4.21e12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    grid = list(itertools.product(ints(args.block_n), ints(args.splits), ints(args.warps), ints(args.stages)))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, context in itertools.product(ints(args.batches), ints(args.contexts)):
+        q, k, v, caches, meta = decode_case(batch, context, args.layers, dev, gen)
+        floor_us = batch * context * HKV * D * 2 * 2 / args.bandwidth * 1e6
+        case = (q, k, v, caches, meta)
+        ref = TritonAttentionBackend().forward(q, k, v, *caches[0], meta, D**-0.5).float()
+        default_us = layer_us(TritonAttentionBackend(), case)
+        rows.append(
+            {"batch": batch, "context": context, "shape": "default", "us": default_us, "floor_us": floor_us}
+        )
+        for block_n, splits, warps, stages in grid:
+            be = TritonAttentionBackend(
+                block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages
+            )
+            err = (be.forward(q, k, v, *caches[0], meta, D**-0.5).float() - ref).abs().max().item()
+            if not err < 2e-2:
+                raise AssertionError(
+                    f"{(block_n, splits, warps, stages)} at context {context}: max error {err}"
+                )
+            rows.append(
+                {"batch": batch, "context": context, "shape": [block_n, splits, warps, stages],
+                 "us": layer_us(be, case), "floor_us": floor_us}
+            )  # fmt: skip
+        here = [r for r in rows if r["batch"] == batch and r["context"] == context]
+        best = min(here, key=lambda r: r["us"])
+        unsplit = min(
+            (r for r in here if r["shape"] == "default" or r["shape"][1] == 1), key=lambda r: r["us"]
+        )
+        print(
+            f"batch {batch:>3} context {context:>6}: default {default_us:6.2f} us/layer, "
+            f"best {best['us']:6.2f} "
+            f"(block_n, splits, warps, stages) = {best['shape']}, best unsplit {unsplit['us']:6.2f} "
+            f"{unsplit['shape']}, floor {floor_us:5.2f} us",
+            flush=True,
+        )
+        del caches, case
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(dev), "layers": args.layers, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
