@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -78,8 +79,20 @@ def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device:
     return run(output_len) - run(1)
 
 
-def time_thinkspec(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float | None]:
-    """(decode seconds for output_len tokens, mean acceptance length or None)."""
+def time_thinkspec(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float | None, dict]:
+    """(decode seconds for output_len tokens, mean acceptance length or None, step-time summary).
+
+    The summary is over the engine steps of the timed full-length run (wall time of each
+    LLMEngine.step call, ms): median, max, and the steps over twice the median with their excess.
+    """
+    engine = llm.llm_engine
+    step_ms: list[float] = []
+
+    def timed_step(*args, _step=engine.step, **kwargs):
+        t0 = time.perf_counter()
+        out = _step(*args, **kwargs)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        return out
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -88,9 +101,19 @@ def time_thinkspec(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple
         return time.perf_counter() - t0
 
     run(output_len)  # warm-up of full length: every CUDA graph the timed runs replay is captured here
-    full = run(output_len)
+    engine.step = timed_step
+    try:
+        full = run(output_len)
+    finally:
+        del engine.step  # back to the class's method
     m = llm.last_spec_metrics  # of the full run
-    return full - run(1), (m.mean_acceptance_length() if m is not None else None)
+    med = statistics.median(step_ms)
+    slow = [t for t in step_ms if t > 2 * med]
+    steps = {
+        "count": len(step_ms), "median_ms": med, "max_ms": max(step_ms),
+        "slow_steps": len(slow), "slow_excess_ms": sum(slow) - med * len(slow),
+    }  # fmt: skip
+    return full - run(1), (m.mean_acceptance_length() if m is not None else None), steps
 
 
 def main() -> None:
@@ -136,18 +159,18 @@ def main() -> None:
         for name, overlap in (("thinkspec", True), ("thinkspec_sync", False)):
             llm.llm_engine.async_scheduling = overlap and device.type == "cuda"
             for b in batches:
-                seconds, _ = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
-                rows.append({"engine": name, "batch": b, "seconds": seconds})
+                seconds, _, steps = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+                rows.append({"engine": name, "batch": b, "seconds": seconds, "steps": steps})
         del llm
-        for length in [float(x) for x in args.acceptance_lengths.split(",")]:
+        for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
             spec = {"model": str(ddir), "num_speculative_tokens": args.k, "synthetic_acceptance_rate": rate}
             llm = LLM(tdir, speculative_config=spec, **common)
             for b in batches:
-                seconds, al = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+                seconds, al, steps = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
                 rows.append(
                     {"engine": f"thinkspec_spec_al{length:g}", "batch": b, "seconds": seconds,
-                     "acceptance_length": al, "synthetic_rate": rate}
+                     "acceptance_length": al, "synthetic_rate": rate, "steps": steps}
                 )  # fmt: skip
             del llm
     floor_ms = weight_bytes / args.bandwidth * 1e3
@@ -169,11 +192,17 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"decode throughput, {result['shape']}, {dtype_name}, floor {floor_ms:.2f} ms/step")
-    print(f"{'engine':<22} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor':>8} {'AL':>5}")
+    print(f"{'engine':<22} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor':>8} {'AL':>5}  engine steps")
     for r in rows:
         al = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") else "-"
+        st = r.get("steps")
+        steps = (
+            f"  median {st['median_ms']:.2f} ms, {st['slow_steps']} slow (+{st['slow_excess_ms']:.0f} ms)"
+            if st
+            else ""
+        )
         print(f"{r['engine']:<22} {r['batch']:>5} {r['tok_per_s']:>10.1f} {r['ms_per_step']:>9.2f} "
-              f"{r['x_floor']:>8.2f} {al:>5}")  # fmt: skip
+              f"{r['x_floor']:>8.2f} {al:>5}{steps}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels); TEST_PATHS
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
-#   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape)
+#   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
+#               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
 #   attention   batch-1 decode attention: Triton launch shapes x contexts, us per layer (ATTENTION_ARGS)
@@ -46,7 +47,7 @@ fi
 
 if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-300}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
-    2>&1 | tee "$OUT/throughput.log"
+    ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
   note "throughput: exit ${PIPESTATUS[0]}"
 fi
 

@@ -1,4 +1,4 @@
-"""The engine-step profiler (benchmarks/profile_step.py) runs on CPU and its phases add up."""
+"""The engine-step profiler (benchmarks/profile_step.py) and the throughput benchmark run on CPU."""
 
 from __future__ import annotations
 
@@ -23,3 +23,27 @@ def test_profile_step_smoke(tmp_path):
     parts = phases["schedule"] + phases["execute_model"] + phases["sample"] + phases["wait_and_commit"]
     assert abs(parts - phases["step"]) < 0.5 * phases["step"]  # medians of parts vs median of sums
     assert phases["step_min"] <= phases["step"] <= phases["step_max"]
+
+
+def test_bench_throughput_smoke(tmp_path):
+    # benchmarks/bench_throughput.py on CPU at tiny shapes: plain, sync and one speculative row,
+    # each with its engine-step summary over the timed run
+    out = tmp_path / "throughput.json"
+    cmd = [sys.executable, "benchmarks/bench_throughput.py", "--small", "--device", "cpu", "--skip-hf",
+           "--batch-sizes", "1,2", "--output-len", "12", "--acceptance-lengths", "3",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [
+        ("thinkspec", 1), ("thinkspec", 2), ("thinkspec_sync", 1), ("thinkspec_sync", 2),
+        ("thinkspec_spec_al3", 1), ("thinkspec_spec_al3", 2),
+    ]  # fmt: skip
+    for r in rows:
+        st = r["steps"]
+        assert r["seconds"] > 0 and r["tok_per_s"] > 0
+        assert st["count"] >= 2 and 0 < st["median_ms"] <= st["max_ms"]
+        assert 0 <= st["slow_steps"] < st["count"] and st["slow_excess_ms"] >= 0
+    plain = [r for r in rows if not r["engine"].startswith("thinkspec_spec")]
+    assert all(r["steps"]["count"] >= 12 for r in plain)  # prefill + 11 decode steps, at least
+    assert all(r["acceptance_length"] >= 1 for r in rows if r["engine"].startswith("thinkspec_spec"))
