@@ -112,6 +112,28 @@ def test_torch_backend_matches_dense_reference(
     assert int((~torch.isnan(v_cache).flatten(2).any(-1)).sum()) == total_written
 
 
+def check_kv_stored_skips_the_store(backend, dtype=torch.float32) -> None:
+    """With kv_stored=True the backend writes nothing and reads the new tokens from the cache: k/v
+    stored beforehand (as a fused kernel would) and NaN k/v passed in give the stored path's output."""
+    spec = [(5, 1), (0, 7), (19, 3)]
+    q, k, v, k_cache, v_cache, meta, _ = make_case(spec, 4, 2, 16, 4, 32, seed=5, pad=2)
+    q, k, v, k_cache, v_cache = (x.to(dtype) for x in (q, k, v, k_cache, v_cache))
+    pre_k, pre_v = k_cache.clone(), v_cache.clone()
+    ref = backend.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    store_kvcache(k, v, pre_k, pre_v, meta.slot_mapping)
+    stored_k, stored_v = pre_k.clone(), pre_v.clone()
+    nan = torch.full_like(k, float("nan"))
+    out = backend.forward(q, nan, nan.clone(), pre_k, pre_v, meta, 0.25, kv_stored=True)
+    assert torch.equal(out, ref)
+    assert torch.equal(pre_k.nan_to_num(7.0), stored_k.nan_to_num(7.0))  # nothing written
+    assert torch.equal(pre_v.nan_to_num(7.0), stored_v.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, PaddedTorchAttentionBackend])
+def test_torch_backends_kv_stored_skips_the_store(backend) -> None:
+    check_kv_stored_skips_the_store(backend())
+
+
 def test_store_kvcache_writes_exact_slots() -> None:
     k_cache = torch.zeros(4, 2, 1, 3)
     v_cache = torch.zeros(4, 2, 1, 3)
@@ -152,8 +174,9 @@ def test_backend_is_swappable() -> None:
         def __init__(self) -> None:
             self.calls = 0
 
-        def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False):
             self.calls += 1
+            self.kv_stored = kv_stored
             return torch.zeros_like(q)
 
     q, k, v, k_cache, v_cache, meta, _ = make_case([(0, 3)], 2, 2, 4, 4, 4, seed=7)
@@ -161,7 +184,10 @@ def test_backend_is_swappable() -> None:
     layer.backend = Recording()
     with forward_context(meta):
         layer(q, k, v)
-    assert layer.backend.calls == 1
+    assert layer.backend.calls == 1 and layer.backend.kv_stored is False
+    with forward_context(meta):
+        layer(q, k, v, kv_stored=True)
+    assert layer.backend.calls == 2 and layer.backend.kv_stored is True
 
 
 @pytest.mark.parametrize(

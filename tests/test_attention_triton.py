@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not importable")
 
 from checkpoints import tiny_checkpoint  # noqa: E402
-from test_attention import CASES, dense_reference, make_case  # noqa: E402
+from test_attention import CASES, check_kv_stored_skips_the_store, dense_reference, make_case  # noqa: E402
 from triton_interpreter import INTERPRETED, interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec import LLM, SamplingParams  # noqa: E402
@@ -146,6 +146,12 @@ def test_interp_auto_split_long_context_matches_padded_torch():
     _check_case(spec, out, q, full, d**-0.5, k_cache, v_cache, 1e-5)
     ref = PaddedTorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize("splits", [1, 2])
+def test_interp_kv_stored_skips_the_store(splits):
+    check_kv_stored_skips_the_store(TritonAttentionBackend(block_n=16, num_splits=splits))
 
 
 @interp

@@ -20,6 +20,7 @@ from checkpoints import PagedHarness, tiny_checkpoint  # noqa: E402
 from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec.layers import fused_triton  # noqa: E402
+from thinkspec.layers.attention_torch import store_kvcache  # noqa: E402
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context  # noqa: E402
 from thinkspec.layers.linear import Linear  # noqa: E402
 from thinkspec.layers.norm import RMSNorm  # noqa: E402
@@ -207,6 +208,48 @@ def test_interp_qk_norm_rope_matches_torch(dtype, t, hq, hkv, d, qk_norm):
         assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     _check(out_q, ref_q, _ulps(dtype))
     _check(out_k, ref_k, _ulps(dtype))
+
+
+@interp
+@pytest.mark.parametrize("block_size", [16, 3])
+@pytest.mark.parametrize(
+    ("t", "hq", "hkv", "d"), [(1, 4, 4, 32), (5, 8, 2, 128), (70, 6, 2, 32), (0, 4, 2, 32)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_qk_norm_rope_stores_kv(dtype, t, hq, hkv, d, block_size):
+    # kv_store: q/k come out as without it, and the caches hold exactly what attention's KV store
+    # writes from them (rotated k, v as given) at each slot; slot -1 rows and other slots untouched
+    g = torch.Generator().manual_seed(t * 7 + d + block_size)
+    rotary = RotaryEmbedding(d, 64, 10000.0)
+    qkv = _randn(t, (hq + 2 * hkv) * d, g=g, dtype=dtype, std=2.0)
+    q, k, v = (x.view(t, h, d) for x, h in zip(qkv.split([hq * d, hkv * d, hkv * d], dim=-1), (hq, hkv, hkv)))
+    pos = _positions(t, 64, g)
+    q_norm, k_norm = _norm(d, dtype, g), _norm(d, dtype, g)
+    num_blocks = (t + 1) // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[::4] = -1  # padding rows: no slot
+    k_cache = _randn(num_blocks, block_size, hkv, d, g=g, dtype=dtype)
+    v_cache = _randn(num_blocks, block_size, hkv, d, g=g, dtype=dtype)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    args = (pos, q, k, rotary.cos_sin_cache, q_norm.weight, k_norm.weight, 1e-6)
+    ref_q, ref_k = fused_triton.qk_norm_rope(*args)
+    store_kvcache(ref_k, v, ref_k_cache, ref_v_cache, slots)
+    out_q, out_k = fused_triton.qk_norm_rope(*args, kv_store=(v, k_cache, v_cache, slots))
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+
+
+def test_qk_norm_rope_kv_store_rejects_bad_shapes():
+    q, k, v = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8)
+    cache = torch.zeros(3, 16, 2, 8)
+    cs = RotaryEmbedding(8, 16, 10000.0).cos_sin_cache
+    pos, slots = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="kv_store: v"):
+        fused_triton.qk_norm_rope(pos, q, k, cs, kv_store=(torch.zeros(2, 2, 4), cache, cache, slots))
+    with pytest.raises(ValueError, match="kv_store: v"):
+        fused_triton.qk_norm_rope(pos, q, k, cs, kv_store=(v, torch.zeros(3, 16, 4, 8), cache, slots))
+    with pytest.raises(ValueError, match="kv_store: slot_mapping must be"):
+        fused_triton.qk_norm_rope(pos, q, k, cs, kv_store=(v, cache, cache, slots[:1]))
 
 
 @interp

@@ -73,12 +73,15 @@ def test_rms_norm_compiles(dtype, residual):
     compile_sm90(ft._rms_norm_kernel, ptrs, {"HAS_RESIDUAL": residual, "BLOCK": 4096}, 8, **ft._COMPILE)
 
 
+@pytest.mark.parametrize("store_kv", [False, True])
 @pytest.mark.parametrize("block_h", [1, 4])
 @pytest.mark.parametrize("has_norm", [False, True])
-def test_qk_norm_rope_compiles(block_h, has_norm):
-    ptrs = _all("bf16", "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_w_ptr", "k_w_ptr")
-    ptrs.update(pos_ptr="i64", cache_ptr="fp32")
-    constexprs = {"HAS_NORM": has_norm, "HEAD_DIM": 128, "BLOCK_H": block_h, "BLOCK_HALF": 64}
+def test_qk_norm_rope_compiles(block_h, has_norm, store_kv):
+    ptrs = _all("bf16", "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")
+    ptrs.update(_all("bf16", "k_cache_ptr", "v_cache_ptr"), pos_ptr="i64", cache_ptr="fp32", slot_ptr="i64")
+    constexprs = {
+        "HAS_NORM": has_norm, "HEAD_DIM": 128, "BLOCK_H": block_h, "BLOCK_HALF": 64, "STORE_KV": store_kv,
+    }  # fmt: skip
     compile_sm90(
         ft._qk_norm_rope_kernel, ptrs, constexprs, min(max(block_h * 64 // 128, 1), 4), **ft._COMPILE
     )

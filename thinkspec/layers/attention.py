@@ -26,8 +26,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], or empty before allocation
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Store k/v at meta.slot_mapping (skipping -1), then attend causally over each sequence."""
+        """Store k/v at meta.slot_mapping (skipping -1), then attend causally over each sequence.
+        kv_stored: the caller already wrote k/v at those slots (a fused kernel); skip the store."""
         ...
 
 
@@ -47,10 +49,12 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend = PaddedTorchAttentionBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
+    ) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]; kv_stored: k/v already in this layer's cache
         meta = get_forward_context()
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -35,9 +35,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D]; rows outside every sequence (padding) are zero
         has_cache = k_cache.numel() > 0
-        if has_cache:
+        if has_cache and not kv_stored:
             store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.zeros_like(q)
         starts = meta.query_start_loc.tolist()
@@ -101,10 +102,12 @@ class PaddedTorchAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zero
         if k_cache.numel() == 0 or meta.max_query_len > self.max_query_len:
-            return self.loop.forward(q, k, v, k_cache, v_cache, meta, scale)
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return self.loop.forward(q, k, v, k_cache, v_cache, meta, scale, kv_stored)
+        if not kv_stored:
+            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         num_seqs, q_max, seq_max = meta.num_seqs, max(1, meta.max_query_len), meta.max_seq_len
         dev = q.device

@@ -324,9 +324,10 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] or empty
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D] q dtype; padding rows are zero
         if k_cache.numel() == 0:  # no pool yet (profiling run): whole prompts only, reference path
-            return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale, kv_stored)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         if num_heads % num_kv_heads:
@@ -344,12 +345,13 @@ class TritonAttentionBackend:
             return torch.zeros_like(q)
         out = torch.empty_like(q)  # the kernels write every row, padding rows as zeros
 
-        _store_kv_kernel[(num_tokens,)](
-            k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.slot_mapping, block_size, num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_H=_pow2(num_kv_heads), BLOCK_D=block_d,
-        )  # fmt: skip
+        if not kv_stored:
+            _store_kv_kernel[(num_tokens,)](
+                k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                meta.slot_mapping, block_size, num_kv_heads, HEAD_DIM=head_dim,
+                BLOCK_H=_pow2(num_kv_heads), BLOCK_D=block_d,
+            )  # fmt: skip
 
         num_seqs = meta.num_seqs
         max_q = max(1, meta.max_query_len)

@@ -115,10 +115,14 @@ def _norm_rope_heads(
     cos,  # [1, BLOCK_HALF] float32
     sin,
     eps,
+    c_ptr,  # STORE_C: this token's slot in a paged cache [num_blocks, block_size, H, D] (row base)
+    stride_ch,
+    c_heads,  # STORE_C: heads to write there: num_heads, or 0 when the token has no slot
     HAS_NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    STORE_C: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
@@ -145,6 +149,12 @@ def _norm_rope_heads(
     dst = o_ptr + t * stride_ot + h * stride_oh + j
     tl.store(dst, o1.to(o_ty), mask=mask)
     tl.store(dst + HALF, o2.to(o_ty), mask=mask)
+    if STORE_C:
+        c_ty = c_ptr.dtype.element_ty
+        cdst = c_ptr + h * stride_ch + j
+        c_mask = (h < c_heads) & (j < HALF)
+        tl.store(cdst, o1.to(o_ty).to(c_ty), mask=c_mask)
+        tl.store(cdst + HALF, o2.to(o_ty).to(c_ty), mask=c_mask)
 
 
 @triton.jit
@@ -170,12 +180,24 @@ def _qk_norm_rope_kernel(
     num_q_heads,
     num_kv_heads,
     eps,
+    v_ptr,  # STORE_KV: [T, Hkv, D], last dim contiguous
+    stride_vt,
+    stride_vh,
+    k_cache_ptr,  # STORE_KV: [num_blocks, block_size, Hkv, D], last dim contiguous
+    v_cache_ptr,  # STORE_KV: same layout and strides as k_cache
+    stride_kvb,
+    stride_kvs,
+    stride_kvh,
+    slot_ptr,  # STORE_KV: [T] int64 KV slot of each token, -1 = none
+    block_size,
     HAS_NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
-    # grid (T, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): one token x BLOCK_H heads of q, then of k
+    # grid (T, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): one token x BLOCK_H heads of q, then of k;
+    # with STORE_KV the k programs also write the rotated k and the token's v into the paged caches
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -187,12 +209,28 @@ def _qk_norm_rope_kernel(
     if g < q_blocks:
         _norm_rope_heads(
             q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr, t, g * BLOCK_H,
-            num_q_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+            num_q_heads, cos, sin, eps, q_out_ptr, 0, 0, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF, False,
         )  # fmt: skip
     else:
+        h0 = (g - q_blocks) * BLOCK_H
+        c_row = 0
+        c_heads = 0
+        if STORE_KV:
+            slot = tl.load(slot_ptr + t)
+            c_heads = tl.where(slot >= 0, num_kv_heads, 0)  # slot -1: nothing stored
+            slot = tl.maximum(slot, 0)
+            c_row = (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvs
+            h = h0 + tl.arange(0, BLOCK_H)[:, None]
+            dd = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+            v_mask = (h < c_heads) & (dd < HEAD_DIM)
+            vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + dd, mask=v_mask)
+            tl.store(
+                v_cache_ptr + c_row + h * stride_kvh + dd, vv.to(v_cache_ptr.dtype.element_ty), mask=v_mask
+            )
         _norm_rope_heads(
-            k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr, t,
-            (g - q_blocks) * BLOCK_H, num_kv_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+            k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr, t, h0, num_kv_heads,
+            cos, sin, eps, k_cache_ptr + c_row, stride_kvh, c_heads, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+            STORE_KV,
         )  # fmt: skip
 
 
@@ -204,8 +242,14 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (when q_weight/k_weight are given) then neox rotary, on q and k in one launch.
+
+    kv_store: (v, k_cache, v_cache, slot_mapping) to also write each token's rotated k and its v
+    into the paged caches at its slot, as attention's KV store would (saves that launch): v
+    [T, Hkv, D] last dim contiguous; caches [num_blocks, block_size, Hkv, D] sharing strides, last
+    dim contiguous; slot_mapping [T] int64, -1 = not written.
 
     positions: [T] int64, each < max_positions; q: [T, Hq, D], k: [T, Hkv, D], each with its last dim
     contiguous (views into the merged qkv output are fine); cos_sin_cache: [max_positions, 2, D/2]
@@ -241,13 +285,33 @@ def qk_norm_rope(
     block_half = triton.next_power_of_2(d // 2)
     w_q = q_weight if has_norm else q  # unused pointers when there is no norm
     w_k = k_weight if has_norm else k
+    if kv_store is None:
+        v, k_cache, v_cache, slots = k, k_out, k_out, positions  # unused pointers
+        cache_strides, block_size = (0, 0, 0), 1
+    else:
+        v, k_cache, v_cache, slots = kv_store
+        if v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"kv_store: v {tuple(v.shape)} or caches {tuple(k_cache.shape)} do not fit k {tuple(k.shape)}"
+            )
+        if (
+            slots.shape != (t,)
+            or v.stride(-1) != 1
+            or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(-1) != 1
+        ):
+            raise ValueError(
+                "kv_store: slot_mapping must be [T]; v and the caches need a contiguous last dim, "
+                "the caches equal strides"
+            )
+        cache_strides, block_size = k_cache.stride()[:3], k_cache.shape[1]
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
     _qk_norm_rope_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1),
         q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
         w_q, w_k, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        hq, hkv, eps,
-        HAS_NORM=has_norm, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        hq, hkv, eps, v, v.stride(0), v.stride(1), k_cache, v_cache, *cache_strides, slots, block_size,
+        HAS_NORM=has_norm, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE_KV=kv_store is not None,
         num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE,
     )  # fmt: skip
     return q_out, k_out

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thinkspec.layers.attention import Attention
+from thinkspec.layers.forward_context import get_forward_context
 from thinkspec.layers.linear import Linear, MergedLinear
 from thinkspec.layers.norm import RMSNorm
 from thinkspec.layers.rotary import RotaryEmbedding
@@ -65,20 +66,26 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        kv_stored = False
         if self.fused:
             from thinkspec.layers.fused_triton import qk_norm_rope
 
             norm = self.q_norm is not None
+            # The same launch writes k/v into this layer's cache, once the pool exists.
+            kv_stored = self.attn.k_cache.numel() > 0
+            store = None
+            if kv_stored:
+                store = (v, self.attn.k_cache, self.attn.v_cache, get_forward_context().slot_mapping)
             q, k = qk_norm_rope(
                 positions, q, k, self.rotary[0].cos_sin_cache,
                 self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                self.q_norm.eps if norm else 0.0,
+                self.q_norm.eps if norm else 0.0, store,
             )  # fmt: skip
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](positions, q, k)
-        o = self.attn(q, k, v)  # [T, Hq, D]
+        o = self.attn(q, k, v, kv_stored)  # [T, Hq, D]
         return self.o_proj(o.flatten(1))
 
 
