@@ -138,7 +138,28 @@ def main() -> None:
     dtype_name = "float32" if device.type == "cpu" else "bfloat16"
     vocab = 1024 if args.small else 151936
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    rows = []
+    rows: list[dict] = []
+    steps = args.output_len - 1
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": "small" if args.small else "Qwen3-8B (draft Qwen3-0.6B)",
+        "dtype": dtype_name,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "weight_bytes": None,
+        "floor_ms_per_step": None,
+        "rows": rows,
+    }
+
+    def record(row: dict) -> None:
+        # Each row is printed and saved as it completes, so a run cut short keeps what it measured.
+        row["tok_per_s"] = row["batch"] * steps / row["seconds"]
+        row["ms_per_step"] = row["seconds"] / steps * 1e3  # per output token of one sequence
+        rows.append(row)
+        print(f"  {row['engine']} batch {row['batch']}: {row['tok_per_s']:.1f} tok/s", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
         ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
@@ -154,45 +175,34 @@ def main() -> None:
                 prompts = all_prompts[:b].to(device)
                 for name, static in (("hf_eager", False), ("hf_static", True)):
                     seconds = time_hf(model, prompts, args.output_len, static, device)
-                    rows.append({"engine": name, "batch": b, "seconds": seconds})
+                    record({"engine": name, "batch": b, "seconds": seconds})
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         llm = LLM(tdir, **common)
         weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
+        result["weight_bytes"] = weight_bytes
+        result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
         for name, overlap in (("thinkspec", True), ("thinkspec_sync", False)):
             llm.llm_engine.async_scheduling = overlap and device.type == "cuda"
             for b in batches:
-                seconds, _, steps = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
-                rows.append({"engine": name, "batch": b, "seconds": seconds, "steps": steps})
+                seconds, _, step_times = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+                record({"engine": name, "batch": b, "seconds": seconds, "steps": step_times})
         del llm
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
             spec = {"model": str(ddir), "num_speculative_tokens": args.k, "synthetic_acceptance_rate": rate}
             llm = LLM(tdir, speculative_config=spec, **common)
             for b in batches:
-                seconds, al, steps = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
-                rows.append(
+                seconds, al, step_times = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
+                record(
                     {"engine": f"thinkspec_spec_al{length:g}", "batch": b, "seconds": seconds,
-                     "acceptance_length": al, "synthetic_rate": rate, "steps": steps}
+                     "acceptance_length": al, "synthetic_rate": rate, "steps": step_times}
                 )  # fmt: skip
             del llm
-    floor_ms = weight_bytes / args.bandwidth * 1e3
-    steps = args.output_len - 1
+    floor_ms = result["floor_ms_per_step"]
     for r in rows:
-        r["tok_per_s"] = r["batch"] * steps / r["seconds"]
-        r["ms_per_step"] = r["seconds"] / steps * 1e3  # per output token of one sequence
         r["x_floor"] = r["ms_per_step"] / floor_ms
-    result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "shape": "small" if args.small else "Qwen3-8B (draft Qwen3-0.6B)",
-        "dtype": dtype_name,
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "weight_bytes": weight_bytes,
-        "floor_ms_per_step": floor_ms,
-        "rows": rows,
-    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"decode throughput, {result['shape']}, {dtype_name}, floor {floor_ms:.2f} ms/step")

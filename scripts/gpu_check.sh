@@ -46,7 +46,7 @@ if has spec_round; then
 fi
 
 if has throughput; then
-  timeout "${THROUGHPUT_TIMEOUT:-300}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
+  timeout "${THROUGHPUT_TIMEOUT:-420}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
     ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
   note "throughput: exit ${PIPESTATUS[0]}"
 fi
