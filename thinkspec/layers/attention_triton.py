@@ -283,15 +283,14 @@ class TritonAttentionBackend:
             raise ValueError(f"min_split_len must be an integer >= 1, got {min_split_len!r}")
         if target_programs is not None and (not isinstance(target_programs, int) or target_programs < 1):
             raise ValueError(f"target_programs must be None or an integer >= 1, got {target_programs!r}")
-        for name, val in (("num_warps", num_warps), ("num_stages", num_stages)):
-            if val is not None and (
-                not isinstance(val, int) or val < 1 or (name == "num_warps" and val & (val - 1))
-            ):
-                allowed = "a power of two >= 1" if name == "num_warps" else "an integer >= 1"
-                raise ValueError(f"{name} must be None or {allowed}, got {val!r}")
-        self.launch = {
-            k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
-        }
+        if num_warps is not None and (
+            not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1)
+        ):
+            raise ValueError(f"num_warps must be None or a power of two >= 1, got {num_warps!r}")
+        if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+            raise ValueError(f"num_stages must be None or an integer >= 1, got {num_stages!r}")
+        self.launch = {"num_warps": num_warps, "num_stages": num_stages}
+        self.launch = {k: v for k, v in self.launch.items() if v is not None}  # None: Triton's default
         self.block_n = block_n
         self.num_splits = num_splits
         self.max_splits = max_splits
