@@ -19,34 +19,12 @@ import json
 from pathlib import Path
 
 import torch
+from bench_gemv import graph_us
 
 from thinkspec.layers.attention_triton import TritonAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
 
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Median microseconds of one replay of a CUDA graph of fn()."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def decode_case(batch: int, context: int, layers: int, dev: torch.device, gen: torch.Generator):
