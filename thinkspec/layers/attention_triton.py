@@ -3,6 +3,7 @@
 Same contract as the torch reference (attention_torch.py). Launches, all with grids fixed by host
 ints (T, B, meta.max_query_len, meta.max_seq_len, head counts), so a step can be CUDA-graph captured:
   1. _store_kv_kernel     grid (T,)                      writes each new token's k/v at its slot (-1 skipped).
+                          Not launched with kv_stored (the fused q/k norm + rotary kernel wrote them).
   2. _paged_attn_kernel   grid (B, Q tiles, Hkv*S)       one program = BLOCK_Q queries of one sequence x all
                           query heads of one KV head (GQA: each K/V tile is loaded once per group), over
                           split s of the sequence's causal KV range, read through the block table one
