@@ -100,7 +100,7 @@ def _paged_attn_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_tokens,  # T, padding rows included
-    HEAD_DIM: tl.constexpr,  # a compile-time bound lets the compiler vectorise the d-masked loads
+    HEAD_DIM: tl.constexpr,  # compile-time, so the d mask folds away or stays vectorisable for any head_dim
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (fixed per engine: one compile, shifts on powers of 2)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
