@@ -4,9 +4,10 @@ and the kernels of one batch-1 decode replay.
 Qwen3-8B-shaped target (and a Qwen3-0.6B-shaped draft for `spec`, synthetic acceptance 0.7, k = 4),
 random bf16 weights, 128-token prompts, greedy with EOS ignored. For each mode (plain, spec) and
 each of enforce_eager True / False, one engine is built at --gpu-memory-utilization and timed at
-each batch size: ms per step = (time of an n-token run - time of a 1-token run) / (n - 1), after a
-warm-up run (which also captures the graphs). After each engine: device memory in use (torch
-reserved + memory held outside torch) against utilization x total. Last, a batch-1 decode graph is
+each batch size: ms per step = (time of an n-token run - time of a 1-token run) / (n - 1), after
+two full-length warm-up runs (graph captures, then the prefix-cache-hit prefill's kernel compiles).
+After each engine: device memory in use (torch reserved + memory held outside torch) against
+utilization x total. Last, a batch-1 decode graph is
 replayed under torch.profiler: kernel count and device time by kernel.
 
     python benchmarks/bench_graphs.py --out graphs.json
@@ -38,7 +39,10 @@ def step_ms(llm: LLM, batch: int, n: int) -> float:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    run(8)  # warm-up: compiles kernels, captures the graphs this batch needs
+    # Warm-up, twice at full length: the first run captures the graphs this batch needs; the
+    # repeated prompts then hit the prefix cache, whose shorter prefill compiles its own kernels.
+    run(n)
+    run(n)
     return (run(n) - run(1)) / (n - 1) * 1e3
 
 
