@@ -7,8 +7,8 @@ each of enforce_eager True / False, one engine is built at --gpu-memory-utilizat
 each batch size: ms per step = (time of an n-token run - time of a 1-token run) / (n - 1), after
 two full-length warm-up runs (graph captures, then the prefix-cache-hit prefill's kernel compiles).
 After each engine: device memory in use (torch reserved + memory held outside torch) against
-utilization x total. Last, a batch-1 decode graph is
-replayed under torch.profiler: kernel count and device time by kernel.
+utilization x total. Last, a batch-1 decode graph is replayed under torch.profiler: kernel count
+and device time by kernel.
 
     python benchmarks/bench_graphs.py --out graphs.json
 """
