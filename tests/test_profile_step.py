@@ -47,3 +47,9 @@ def test_bench_throughput_smoke(tmp_path):
     plain = [r for r in rows if not r["engine"].startswith("thinkspec_spec")]
     assert all(r["steps"]["count"] >= 12 for r in plain)  # prefill + 11 decode steps, at least
     assert all(r["acceptance_length"] >= 1 for r in rows if r["engine"].startswith("thinkspec_spec"))
+
+    png = tmp_path / "throughput.png"
+    cmd = [sys.executable, "benchmarks/plot_throughput.py", str(out), "--out", str(png)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
