@@ -122,6 +122,15 @@ def test_interp_matches_dense_reference(case, block_size, hq, hkv, splits):
 
 
 @interp
+def test_interp_max_splits_with_empty_splits():
+    # 64 splits (the default cap) over at most 7 tiles: most splits are empty and must weigh nothing
+    spec = [(100, 1), (0, 5), (37, 3)]
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, 4, 2, 8, 16, 16, seed=5, pad=2)
+    out = TritonAttentionBackend(block_n=16, num_splits=64).forward(q, k, v, k_cache, v_cache, meta, 8**-0.5)
+    _check_case(spec, out, q, full, 8**-0.5, k_cache, v_cache, 1e-5)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_interp_half_precision(dtype):
     spec = [(40, 1), (0, 23), (17, 5)]
@@ -260,7 +269,7 @@ def test_gpu_matches_torch_backend(batch, max_ctx, qlen):
     ref_cache = (k_cache.clone(), v_cache.clone())
     ref_be = PaddedTorchAttentionBackend() if qlen <= 16 else TorchAttentionBackend()
     ref = ref_be.forward(q.float(), k.float(), v.float(), *(c.float() for c in ref_cache), meta, 128**-0.5)
-    for splits in (None, 1, 8):
+    for splits in (None, 1, 8, 64):
         kc, vc = k_cache.clone(), v_cache.clone()
         out = TritonAttentionBackend(num_splits=splits).forward(q, k, v, kc, vc, meta, 128**-0.5)
         assert out.dtype == torch.bfloat16

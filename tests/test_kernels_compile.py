@@ -98,7 +98,8 @@ def test_store_kv_compiles():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "splits", "block_q"), [("bf16", 1, 4), ("bf16", 16, 4), ("bf16", 1, 16), ("fp32", 4, 4)]
+    ("dtype", "splits", "block_q"),
+    [("bf16", 1, 4), ("bf16", 16, 4), ("bf16", 64, 4), ("bf16", 1, 16), ("fp32", 4, 4)],
 )
 def test_paged_attention_compiles(dtype, splits, block_q):
     # block_q 4: decode / verify rows (GROUP 4 pads to 16 rows); 16: prefill chunks (64 rows)
