@@ -123,7 +123,7 @@ def test_interp_matches_dense_reference(case, block_size, hq, hkv, splits):
 
 @interp
 def test_interp_max_splits_with_empty_splits():
-    # 64 splits (the default cap) over at most 7 tiles: most splits are empty and must weigh nothing
+    # 64 splits over at most 7 tiles: most splits are empty and must weigh nothing
     spec = [(100, 1), (0, 5), (37, 3)]
     q, k, v, k_cache, v_cache, meta, full = make_case(spec, 4, 2, 8, 16, 16, seed=5, pad=2)
     out = TritonAttentionBackend(block_n=16, num_splits=64).forward(q, k, v, k_cache, v_cache, meta, 8**-0.5)

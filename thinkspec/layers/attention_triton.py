@@ -258,8 +258,8 @@ class TritonAttentionBackend:
     leaves the GPU under-filled, into splits of at least min_split_len / 2 keys of the longest context
     (a program's time grows with the tiles it walks one after another, so small batches split early).
     The chosen split follows meta.max_seq_len; set num_splits to keep one launch shape for a captured
-    CUDA graph. target_programs (default 4 x SM count: on the H200 a batch-1 layer at 8k-32k keys
-    took 11-16% less than at 2 x, and batch 16 at 8k 19% less) is the grid size splitting aims for.
+    CUDA graph. target_programs (default 2 x SM count) is the grid size splitting aims for; 4 x
+    measured faster for plain decode at 8k-32k keys but not yet across the engine (docs/BENCHMARKS.md).
     num_warps / num_stages: launch options of the attention kernel (None: Triton's defaults).
     """
 
@@ -267,7 +267,7 @@ class TritonAttentionBackend:
         self,
         block_n: int = 64,
         num_splits: int | None = None,
-        max_splits: int = 64,
+        max_splits: int = 32,
         min_split_len: int = 64,
         target_programs: int | None = None,
         num_warps: int | None = None,
@@ -304,7 +304,7 @@ class TritonAttentionBackend:
         if self.target_programs is not None:
             return self.target_programs
         if device.type == "cuda":
-            return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+            return 2 * torch.cuda.get_device_properties(device).multi_processor_count
         return 16
 
     def choose_splits(self, programs: int, max_seq_len: int, device: torch.device) -> int:
