@@ -7,6 +7,8 @@
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
+#   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
+#               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
 #   attention   batch-1 decode attention: Triton launch shapes x contexts, us per layer (ATTENTION_ARGS)
@@ -49,6 +51,19 @@ if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-420}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
     ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
   note "throughput: exit ${PIPESTATUS[0]}"
+fi
+
+if has long; then
+  for spec in 8192:1,16 32768:1; do
+    IFS=: read -r len batches <<<"$spec"
+    timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/bench_throughput.py --skip-hf --prompt-len "$len" \
+      --batch-sizes "$batches" --acceptance-lengths 3 --out "$OUT/long_throughput_$len.json" 2>&1 \
+      | grep -v 'it/s' | tee -a "$OUT/long.log" | tail -n 8
+    note "long throughput prompt $len: exit ${PIPESTATUS[0]}"
+    timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/bench_spec_round.py --prompt-len "$len" --batch-sizes "$batches" \
+      --out "$OUT/long_spec_round_$len.json" 2>&1 | tee -a "$OUT/long.log" | tail -n 4
+    note "long spec_round prompt $len: exit ${PIPESTATUS[0]}"
+  done
 fi
 
 if has graphs; then
