@@ -306,6 +306,62 @@ def test_think_end_drafted_mid_window_makes_later_positions_strict(target):
     assert m_marker.total.num_relaxed_accepted_tokens == 0
 
 
+def _relaxable_second_choice(target: Path, prompt: list[int]) -> tuple[list[int], int, int]:
+    """(greedy continuation g, j, y): the window after prompt + g[:j] has g[j+1] then y, the target's
+    second choice after g[: j + 2], a byte token that greedy decoding does not emit early."""
+    plain = LLM(target, device="cpu")
+    g = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    g = g.outputs[0].token_ids
+    assert END_THINK_ID not in g[:8]  # the window stays in the thinking phase
+    for j in range(4):
+        y = int(hf_logits(target, prompt + g[: j + 2])[-1].topk(2).indices[1])
+        if y < 256 and y not in prompt + g[: j + 6]:
+            return g, j, y
+    raise AssertionError("no byte-token second choice in the first windows")
+
+
+def _relaxed_window(target: Path, prompt: list[int], g: list[int], j: int, y: int, params: SamplingParams):
+    """Output tokens and metrics of one verify round whose drafts are [g[j+1], y, y, y], relaxed at
+    ratio 0 / top-k 2 (so y passes the relaxed test unless it is protected)."""
+    cfg = {
+        "method": "ngram", "num_speculative_tokens": K, "reasoning_parser": "qwen3",
+        "relaxed_thinking": True, "relax_ratio": 0.0, "relax_top_k": 2,
+    }  # fmt: skip
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    llm.llm_engine.speculator.proposer = _ScriptedProposer([g[j + 1], y, y, y], K)
+    # The prefill emits g[j]; one verify round of 4 drafts follows.
+    out = llm.generate([prompt + g[:j]], params, use_tqdm=False)[0]
+    return out.outputs[0], llm.last_spec_metrics
+
+
+PROTECT_PROMPT = [72, 105, 33, THINK_ID]
+
+
+def test_request_stop_token_is_never_relaxed(target):
+    g, j, y = _relaxable_second_choice(target, PROTECT_PROMPT)
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    control, m_control = _relaxed_window(target, PROTECT_PROMPT, g, j, y, sp)
+    assert control.token_ids[:3] == [g[j], g[j + 1], y]  # y is relaxable here
+    assert m_control.total.num_relaxed_accepted_tokens >= 1
+    sp = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[y])
+    out, m = _relaxed_window(target, PROTECT_PROMPT, g, j, y, sp)
+    assert out.token_ids[:3] == g[j : j + 3]  # the target's own token instead of the stop token
+    assert out.finish_reason == "length"
+    assert m.total.num_relaxed_accepted_tokens == 0
+
+
+def test_generation_config_eos_is_never_relaxed(target, tmp_path):
+    g, j, y = _relaxable_second_choice(target, PROTECT_PROMPT)
+    eos_y = tmp_path / "eos_y"
+    shutil.copytree(target, eos_y)
+    cfg_path = eos_y / "generation_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "eos_token_id": [y]}))
+    out, m = _relaxed_window(eos_y, PROTECT_PROMPT, g, j, y, SamplingParams(temperature=0, max_tokens=6))
+    assert out.token_ids[:3] == g[j : j + 3]
+    assert out.finish_reason == "length"
+    assert m.total.num_relaxed_accepted_tokens == 0
+
+
 # ---- configuration ------------------------------------------------------------------------------
 
 

@@ -125,11 +125,14 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Register seq's full, computed blocks in the prefix cache. Call after each forward
-        (after any rollback), so only committed tokens are ever hashed."""
+        """Register seq's full blocks in the prefix cache: those whose tokens are committed and whose
+        K/V every model has written. Call after a step's tokens are committed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_kv_complete_tokens // self.block_size, len(seq.block_table))
+        # num_computed_tokens may run past the committed tokens when a stop ends the sequence
+        # inside an accepted draft run: the slots after the stop hold uncommitted tokens.
+        num_complete = min(seq.num_kv_complete_tokens, seq.num_tokens)
+        num_full = min(num_complete // self.block_size, len(seq.block_table))
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self._block_hashes(seq, num_full)
@@ -175,7 +178,13 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
+            block = seq.token_ids[i * bs : (i + 1) * bs]
+            if len(block) != bs:  # a stored hash lives as long as seq: it must describe real tokens
+                raise RuntimeError(
+                    f"request {seq.request_id!r}: block {i} holds {len(block)} of {bs} tokens; "
+                    "only full blocks of committed tokens are hashed"
+                )
+            hashes.append(hash_block(hashes[-1] if hashes else b"", block))
         return hashes[:num_blocks]
 
     def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:

@@ -565,8 +565,7 @@ class LLMEngine:
         for row, seq in enumerate(sched.seqs):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += sched.num_new_tokens[row]
-            self.block_manager.cache_blocks(seq)  # every token it hashes is committed
+            seq.num_computed_tokens += sched.num_new_tokens[row]  # blocks are cached when committed
             seq.token_ids.append(PENDING_TOKEN)
             flight.pending.append((row, seq))
         self._in_flight = flight

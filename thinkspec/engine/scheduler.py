@@ -88,7 +88,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(self._num_to_compute(seq, seq.num_computed_tokens, num_lookahead_tokens), budget)
             need = self._slots_needed(seq, seq.num_computed_tokens, num_new, num_lookahead_tokens)
             if need > len(seq.block_table) * bm.block_size:  # a usual decode step needs no new block
                 while not bm.can_allocate(seq, need):
@@ -110,7 +110,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = bm.get_computed_blocks(seq)
             num_computed = len(hits) * bm.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = min(self._num_to_compute(seq, num_computed, num_lookahead_tokens), budget)
             need = self._slots_needed(seq, num_computed, num_new, num_lookahead_tokens)
             if not bm.can_allocate(seq, need, hits):
                 break
@@ -137,17 +137,19 @@ class Scheduler:
             if seq.is_finished:  # aborted between schedule() and postprocess()
                 continue
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_blocks(seq)
             if self.commit(seq, new_ids):
                 changed.append(seq)
         return changed
 
     def commit(self, seq: Sequence, token_ids: Seq[int]) -> bool:
-        """Commit generated tokens to a running seq until one finishes it (then free its blocks).
-        Returns whether seq got a token or finished."""
+        """Commit generated tokens to a running seq until one finishes it, offer its full blocks to
+        the prefix cache, and free its blocks if it finished. Returns whether seq got a token or
+        finished."""
         for token_id in token_ids:
             if commit_token(seq, token_id, max_model_len=self.max_model_len, tokenizer=self.tokenizer):
                 break
+        # After the tokens are appended: a block is hashed over the tokens its K/V was written for.
+        self.block_manager.cache_blocks(seq)
         if seq.is_finished:
             self._free(seq)
         return bool(token_ids) or seq.is_finished
@@ -160,6 +162,17 @@ class Scheduler:
         seq.finish("abort")
         self._free(seq)
         return seq
+
+    @staticmethod
+    def _num_to_compute(seq: Sequence, num_computed: int, lookahead: int) -> int:
+        """Tokens seq still has to compute. When speculating, a sequence that already has output
+        (resumed after preemption) recomputes up to its last token only: that token then opens a
+        verify window as it would have without the preemption, so a seeded request samples the
+        same tokens however it is scheduled."""
+        remaining = seq.num_tokens - num_computed
+        if lookahead and remaining > 1 and seq.num_output_tokens > 0:
+            return remaining - 1
+        return remaining
 
     def _slots_needed(self, seq: Sequence, num_computed: int, num_new: int, lookahead: int) -> int:
         end = num_computed + num_new

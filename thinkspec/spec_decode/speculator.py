@@ -103,7 +103,13 @@ class Speculator:
     def step(self, sched: SchedulerOutput) -> SpecStepResult:
         seqs, num_new = sched.seqs, sched.num_new_tokens
         sample_mask = sched.sample_mask()
-        spec_index = [i for i, (n, m) in enumerate(zip(num_new, sample_mask)) if m and n == 1]
+        # Decodes speculate; a request's first output token is always sampled plainly (whether its
+        # prompt came from the cache or not), so seeded outputs do not depend on the schedule.
+        spec_index = [
+            i
+            for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
+            if m and n == 1 and seq.num_output_tokens > 0
+        ]
         num_drafts = [self.num_drafts_for(seqs[i]) for i in spec_index]
         k, device = self.k, self.device
 
