@@ -187,7 +187,7 @@ def run_bench_command(args: Any) -> int:
     """`thinkspec bench`: one engine configuration on a dataset; a table on stdout, JSON on request."""
     from thinkspec.bench.datasets import load_dataset
     from thinkspec.bench.report import format_table, write_json
-    from thinkspec.entrypoints.cli import engine_kwargs
+    from thinkspec.engine_args import engine_kwargs
 
     try:
         sampling_params_for(1, args.temperature, args.max_tokens, args.sampling_seed)  # fail before loading

@@ -372,8 +372,8 @@ def run_sweep_command(args: Any) -> int:
 
     from thinkspec.bench.datasets import load_dataset
     from thinkspec.bench.report import format_table, write_json, write_sweep_outputs
-    from thinkspec.entrypoints.cli import DEFAULT_TOY, engine_kwargs
-    from thinkspec.toy.assets import resolve_model_path
+    from thinkspec.engine_args import engine_kwargs
+    from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
 
     def fail(message: str) -> int:
         print(f"thinkspec sweep: error: {message}", file=sys.stderr)

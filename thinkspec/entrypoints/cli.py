@@ -7,130 +7,13 @@ Subcommand bodies import their heavy modules lazily; `thinkspec --help` needs on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-DEFAULT_TOY = "toy-reasoner"
+from thinkspec.engine_args import add_engine_args, json_arg
+
 # What `thinkspec serve` imports beyond the core dependencies.
 SERVER_MODULES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
-
-
-def _json_arg(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
-    """Flags that build an `LLM` / engine, named as in vLLM."""
-    if model_positional:
-        p.add_argument(
-            "model",
-            nargs="?",
-            default=DEFAULT_TOY,
-            help="Hugging Face checkpoint folder or hub id; 'toy-reasoner' = the bundled toy pair's target "
-            "(default: %(default)s)",
-        )
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"],
-        help="weight and activation dtype; auto = the checkpoint's dtype on GPU, float32 on CPU",
-    )
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="most tokens in one forward (chunked prefill)",
-    )
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="fraction of GPU memory the engine may use, weights and KV cache together (GPU only)",
-    )
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache size in bytes (CPU)")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse KV blocks of shared prompt prefixes",
-    )
-    p.add_argument("--seed", type=int, default=None, help="engine random seed")
-    p.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=["deepseek_r1", "qwen3"],
-        help="split outputs into reasoning_content and content, and find the thinking phase",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=_json_arg,
-        default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "draft_model", "model": "PATH", '
-        '"num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
-        '"relax_top_k": 3}\'',
-    )
-    p.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=["auto", "torch", "triton"],
-        help="attention kernels: triton (CUDA), torch (the reference); auto = triton on CUDA, else torch",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="never use CUDA graphs (by default decode, verify and draft steps replay them on CUDA)",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch each plain decode step before the previous step's tokens reach the host "
-        "(default: on for CUDA, off elsewhere)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM(...) keyword arguments from parsed engine flags; unset flags keep the LLM defaults."""
-    from thinkspec.toy.assets import resolve_model_path
-
-    names = [
-        "tokenizer",
-        "dtype",
-        "device",
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "gpu_memory_utilization",
-        "kv_cache_memory",
-        "enable_prefix_caching",
-        "seed",
-        "reasoning_parser",
-        "speculative_config",
-        "attention_backend",
-        "enforce_eager",
-        "async_scheduling",
-    ]
-    kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    kwargs["model"] = resolve_model_path(args.model)
-    spec = kwargs.get("speculative_config")
-    if spec is not None and isinstance(spec.get("model"), str):
-        spec["model"] = resolve_model_path(spec["model"])
-    return kwargs
 
 
 def _add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -182,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="wrap each prompt as a user message via the chat template"
     )
     gen.add_argument(
-        "--chat-template-kwargs", type=_json_arg, default=None, help="JSON passed to the chat template"
+        "--chat-template-kwargs", type=json_arg, default=None, help="JSON passed to the chat template"
     )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument("--top-p", type=float, default=1.0)
