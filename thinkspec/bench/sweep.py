@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from thinkspec.bench.bench import CellResult, format_prompts, run_cell, sampling_params_for
+from thinkspec.bench.bench import format_prompts, run_cell, sampling_params_for
 from thinkspec.bench.datasets import BenchItem
-from thinkspec.bench.stats import compare_paired
+from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, SweepResult, cell_name
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.llm import LLM
-
-SPEED_METRICS = ("tokens_per_s", "acceptance_length")
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,95 +60,6 @@ def make_grid(
             f"the grid needs at least one ratio and one top-k, got {list(ratios)} x {list(top_ks)}"
         )
     return [RelaxSetting(r, k, d) for r, k, d in itertools.product(ratios, top_ks, deltas or (None,))]
-
-
-def cell_name(temperature: float, mode: str) -> str:
-    return f"T={temperature:g} {mode}"
-
-
-@dataclass(slots=True)
-class SweepResult:
-    """All cells, plus each cell's paired comparison with strict at its temperature."""
-
-    config: dict[str, Any]
-    cells: list[CellResult] = field(default_factory=list)
-    comparisons: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell name -> PairedComparison dict
-    hf: list[CellResult] = field(default_factory=list)  # HF transformers side-by-side runs
-
-    def cell(self, name: str) -> CellResult:
-        for c in self.cells:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
-    def strict(self, temperature: float) -> CellResult:
-        return self.cell(cell_name(temperature, "strict"))
-
-    def compare_all(self, num_resamples: int = 10_000, seed: int = 0) -> None:
-        """Fill `comparisons`: every cell (strict included, a zero check) against strict."""
-        self.comparisons = {}
-        for c in self.cells:
-            ref = self.strict(c.setting["temperature"])
-            self.comparisons[c.name] = compare_paired(c.correct, ref.correct, num_resamples, seed).to_dict()
-
-    def rows(self) -> list[dict[str, Any]]:
-        """One flat row per cell: summary numbers, the comparison with strict, frontier flags."""
-        rows = []
-        for c in self.cells:
-            row = c.summary()
-            for key, value in self.comparisons.get(c.name, {}).items():
-                row[f"vs_strict_{key}"] = value
-            rows.append(row)
-        for t in self.temperatures:
-            group = [r for r in rows if r["temperature"] == t]
-            for metric in SPEED_METRICS:
-                key = "tokens_per_s" if metric == "tokens_per_s" else "mean_acceptance_length"
-                pts = [(r["accuracy"], r.get(key)) for r in group]
-                for r, on in zip(group, pareto_frontier(pts)):
-                    r[f"frontier_{metric}"] = on
-        return rows
-
-    @property
-    def temperatures(self) -> list[float]:
-        return sorted({c.setting["temperature"] for c in self.cells})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "rows": self.rows(),
-            "comparisons": self.comparisons,
-            "cells": [c.to_dict() for c in self.cells],
-            "hf": [c.to_dict() for c in self.hf],
-            "hf_rows": [c.summary() for c in self.hf],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SweepResult:
-        return cls(
-            config=data["config"],
-            cells=[CellResult.from_dict(c) for c in data["cells"]],
-            comparisons=data.get("comparisons", {}),
-            hf=[CellResult.from_dict(c) for c in data.get("hf", [])],
-        )
-
-
-def pareto_frontier(points: Sequence[tuple[float, float | None]]) -> list[bool]:
-    """Which (accuracy, speed) points no other point beats on both (>= on both, > on one).
-
-    Points with speed None (no speculation has no acceptance length) are never on the frontier.
-    """
-    flags = []
-    for i, (acc, speed) in enumerate(points):
-        if speed is None:
-            flags.append(False)
-            continue
-        dominated = any(
-            s is not None and a >= acc and s >= speed and (a > acc or s > speed)
-            for j, (a, s) in enumerate(points)
-            if j != i
-        )
-        flags.append(not dominated)
-    return flags
 
 
 def run_sweep(
@@ -274,28 +183,6 @@ def run_sweep(
     result.config["temperatures"] = result.temperatures  # resumed cells included
     result.compare_all()
     return result
-
-
-@dataclass(slots=True)
-class Calibration:
-    """The fastest setting whose accuracy drop against strict stays within the budget at 95%."""
-
-    temperature: float
-    accuracy_budget: float
-    by: str
-    chosen: str  # cell name
-    speculative_config: dict[str, Any]
-    candidates: list[dict[str, Any]]  # name, speed, vs-strict CI low, within_budget
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "accuracy_budget": self.accuracy_budget,
-            "by": self.by,
-            "chosen": self.chosen,
-            "speculative_config": self.speculative_config,
-            "candidates": self.candidates,
-        }
 
 
 def calibrate(
