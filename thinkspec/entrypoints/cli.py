@@ -32,13 +32,8 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="thinkspec",
-        description="Speculative decoding for reasoning models with relaxed acceptance while thinking.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec demo`: the bundled pair, strict vs relaxed."""
     demo = sub.add_parser(
         "demo",
         help="answer fresh toy problems with strict and relaxed speculative decoding on the bundled pair",
@@ -53,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--relax-ratio", type=float, default=None, help="relaxed mode's relax_ratio")
     demo.add_argument("--relax-top-k", type=int, default=None, help="relaxed mode's relax_top_k")
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec generate`: engine flags plus prompts and sampling settings."""
     gen = sub.add_parser(
         "generate",
         help="generate completions for prompts given on the command line or in a file",
@@ -73,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec serve`: engine flags plus the HTTP server's."""
     serve = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; larger ones get 413 (default: %(default)s)",
     )
 
+
+def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec bench`: engine and dataset flags for one setting."""
     bench = sub.add_parser(
         "bench",
         help="measure one configuration on a dataset: accuracy, acceptance, speed",
@@ -121,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     bench.add_argument("--output-json", default=None, help="write the results here")
 
+
+def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec sweep`: engine and dataset flags plus the grid, calibration and resume."""
     sweep = sub.add_parser(
         "sweep",
         help="grid over relax_ratio x relax_top_k with no-spec and strict baselines, report and calibration",
@@ -163,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep.json) and run only the missing ones, e.g. a second temperature",
     )
     sweep.add_argument("--no-plot", action="store_true", help="skip pareto.png (no matplotlib needed)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thinkspec",
+        description="Speculative decoding for reasoning models with relaxed acceptance while thinking.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo_parser(sub)
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    _add_bench_parser(sub)
+    _add_sweep_parser(sub)
     return parser
 
 
