@@ -8,7 +8,8 @@ from checkpoints import tiny_checkpoint
 from test_engine import assert_all_blocks_free, bytes_per_block, random_ids
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.engine.engine import PENDING_TOKEN, EngineConfig, LLMEngine
+from thinkspec.engine.engine import PENDING_TOKEN, LLMEngine
+from thinkspec.engine_args import EngineArgs
 
 
 def _llm(path, async_scheduling: bool, **kw) -> LLM:
@@ -37,7 +38,7 @@ def test_defaults_and_validation():
     assert not LLM(str(path), device="cpu").llm_engine.async_scheduling  # off on CPU unless asked
     assert _llm(path, True).llm_engine.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
-        EngineConfig("some/model", async_scheduling="yes")
+        EngineArgs("some/model", async_scheduling="yes")
 
 
 def test_greedy_equal_with_chunking_prefix_cache_and_preemption():
@@ -147,7 +148,7 @@ def test_the_last_step_commits_without_a_wasted_launch():
 def test_speculative_decoding_refuses_async_scheduling():
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="async_scheduling=True .* speculative"):
-        EngineConfig("some/model", speculative_config=spec, async_scheduling=True)
+        EngineArgs("some/model", speculative_config=spec, async_scheduling=True)
     path = tiny_checkpoint("qwen3", tied=False)
     assert not LLM(str(path), device="cpu", speculative_config=spec).llm_engine.async_scheduling
 
@@ -164,7 +165,7 @@ def test_async_server_engine_streams_and_aborts_with_overlap():
     prompts = [random_ids(n, seed=50 + n) for n in (5, 8, 12)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 17, 40)]
     want = _llm(path, False).generate(prompts, params, use_tqdm=False)
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(str(path), device="cpu", seed=0, async_scheduling=True)))
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(str(path), device="cpu", seed=0, async_scheduling=True)))
     engine.start()
 
     async def run(i: int, close_after: int | None) -> list[int]:

@@ -18,7 +18,7 @@ from test_attention import CASES, check_kv_stored_skips_the_store, dense_referen
 from triton_interpreter import INTERPRETED, interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec import LLM, SamplingParams  # noqa: E402
-from thinkspec.engine.engine import EngineConfig  # noqa: E402
+from thinkspec.engine_args import EngineArgs  # noqa: E402
 from thinkspec.layers.attention import Attention  # noqa: E402
 from thinkspec.layers.attention_torch import PaddedTorchAttentionBackend, TorchAttentionBackend  # noqa: E402
 from thinkspec.layers.attention_triton import TritonAttentionBackend  # noqa: E402
@@ -96,11 +96,11 @@ def test_choose_splits_from_host_shape_only():
 def test_engine_config_attention_backend_validation():
     msg = r"attention_backend must be one of \('auto', 'torch', 'triton'\), got 'flash'"
     with pytest.raises(ValueError, match=msg):
-        EngineConfig(model="m", attention_backend="flash")
+        EngineArgs(model="m", attention_backend="flash")
     if not INTERPRETED:
         with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
-            EngineConfig(model="m", device="cpu", attention_backend="triton")
-    assert EngineConfig(model="m").attention_backend == "auto"  # triton on CUDA, torch elsewhere
+            EngineArgs(model="m", device="cpu", attention_backend="triton")
+    assert EngineArgs(model="m").attention_backend == "auto"  # triton on CUDA, torch elsewhere
 
 
 # ---------------------------------------------------------------- interpreter (CPU) cases

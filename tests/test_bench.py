@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from checkpoints import tiny_checkpoint
 
-from thinkspec.bench.bench import CellResult, run_cell, sampling_params_for
+from thinkspec.bench.bench import run_cell, sampling_params_for
 from thinkspec.bench.datasets import jsonl_dataset, load_dataset, match_answer
+from thinkspec.bench.results import CellResult
 from thinkspec.bench.stats import (
     binomial_two_sided_p,
     compare_paired,

@@ -43,7 +43,7 @@ def test_engine_flags_spelled_as_vllm(capsys, command):
 
 
 def test_engine_flags_reach_the_llm_arguments():
-    from thinkspec.entrypoints.cli import engine_kwargs
+    from thinkspec.engine_args import engine_kwargs
 
     def kwargs(*flags: str) -> dict:
         return engine_kwargs(build_parser().parse_args(["generate", "toy-reasoner", *flags]))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
@@ -18,10 +16,11 @@ from thinkspec.engine.cuda_graph import (
     pack_batch,
     select_graph_key,
 )
-from thinkspec.engine.engine import EngineConfig, resolve_attention_backend
+from thinkspec.engine.engine import resolve_attention_backend
 from thinkspec.engine.model_runner import ModelRunner, attention_layers
 from thinkspec.engine.sequence import Sequence
-from thinkspec.entrypoints.cli import build_parser, engine_kwargs
+from thinkspec.engine_args import EngineArgs, engine_kwargs
+from thinkspec.entrypoints.cli import build_parser
 from thinkspec.models import load_model
 from thinkspec.toy.assets import resolve_model_path
 
@@ -128,19 +127,17 @@ def test_pack_batch_rejects_batches_that_do_not_fit():
 # ---- configuration --------------------------------------------------------------------------------
 
 
-def test_engine_config_enforce_eager_and_auto_backend():
-    cfg = EngineConfig(model="m")
+def test_engine_args_enforce_eager_and_auto_backend():
+    cfg = EngineArgs(model="m")
     assert cfg.attention_backend == "auto" and cfg.enforce_eager is False
-    assert EngineConfig(model="m", enforce_eager=True).enforce_eager is True
+    assert EngineArgs(model="m", enforce_eager=True).enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
-        EngineConfig(model="m", enforce_eager="yes")
+        EngineArgs(model="m", enforce_eager="yes")
     with pytest.raises(ValueError, match=r"attention_backend must be one of \('auto', 'torch', 'triton'\)"):
-        EngineConfig(model="m", attention_backend="flash")
+        EngineArgs(model="m", attention_backend="flash")
     assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_attention_backend("auto", torch.device("cuda", 0)) == "triton"
     assert resolve_attention_backend("torch", torch.device("cuda", 0)) == "torch"
-    params = inspect.signature(LLM).parameters
-    assert params["attention_backend"].default == "auto" and params["enforce_eager"].default is False
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "bench", "sweep"])

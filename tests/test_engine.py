@@ -10,7 +10,7 @@ from checkpoints import LLAMA3_ROPE, THINK_ID, hf_logits, tiny_checkpoint
 
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.engine import EngineConfig, LLMEngine
+from thinkspec.engine.engine import LLMEngine
 from thinkspec.engine.model_runner import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     ModelRunner,
@@ -19,6 +19,7 @@ from thinkspec.engine.model_runner import (
     profile_run,
 )
 from thinkspec.engine.sequence import Sequence
+from thinkspec.engine_args import EngineArgs
 from thinkspec.models import load_model
 
 ARCH_CASES = [
@@ -189,7 +190,7 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -
 
 def test_abort_keeps_tokens_and_frees_blocks():
     path = tiny_checkpoint("qwen3", tied=False)
-    engine = LLMEngine(EngineConfig(str(path), device="cpu", block_size=4))
+    engine = LLMEngine(EngineArgs(str(path), device="cpu", block_size=4))
     pa, pb = random_ids(11, 20), random_ids(6, 21)
     engine.add_request(pa, SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY), "a")
     engine.add_request(pb, SamplingParams(max_tokens=8, **GREEDY), "b")
@@ -211,7 +212,7 @@ def test_abort_keeps_tokens_and_frees_blocks():
 
 def test_request_output_carries_reasoning_split():
     path = tiny_checkpoint("qwen3", tied=False)
-    engine = LLMEngine(EngineConfig(str(path), device="cpu", reasoning_parser="qwen3"))
+    engine = LLMEngine(EngineArgs(str(path), device="cpu", reasoning_parser="qwen3"))
     seq = Sequence("r", [65, THINK_ID], SamplingParams())
     seq.output_text = "step one\n</think>\n\nthe answer"
     seq.finish("stop")
@@ -241,15 +242,15 @@ def test_request_output_carries_reasoning_split():
 def test_engine_config_validation(kwargs, match):
     args = {"model": "some/model", **kwargs}
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**args)
+        EngineArgs(**args)
 
 
 def test_engine_limits_checked_at_construction():
     path = tiny_checkpoint("qwen3", tied=False)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        LLMEngine(EngineConfig(str(path), device="cpu", max_model_len=100_000))
+        LLMEngine(EngineArgs(str(path), device="cpu", max_model_len=100_000))
     with pytest.raises(ValueError, match="holds no KV block"):
-        LLMEngine(EngineConfig(str(path), device="cpu", kv_cache_memory=100))
+        LLMEngine(EngineArgs(str(path), device="cpu", kv_cache_memory=100))
 
 
 # ---- GPU -------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ httpx = pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from thinkspec.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from thinkspec.engine.engine import LLMEngine  # noqa: E402
+from thinkspec.engine_args import EngineArgs  # noqa: E402
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
 from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
@@ -366,7 +367,7 @@ def test_metrics_exposition_names(server):
 
 @pytest.fixture()
 def local_engine(ckpt):
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(ckpt), device="cpu", reasoning_parser="qwen3")))
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(ckpt), device="cpu", reasoning_parser="qwen3")))
     yield engine
     engine.shutdown()
 

@@ -16,7 +16,8 @@ pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from thinkspec.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from thinkspec.engine.engine import LLMEngine  # noqa: E402
+from thinkspec.engine_args import EngineArgs  # noqa: E402
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
 from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
@@ -32,7 +33,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def engine():
     path = tiny_checkpoint("qwen3", tied=True)
-    config = EngineConfig(
+    config = EngineArgs(
         model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=MAX_MODEL_LEN
     )
     engine = AsyncLLMEngine(LLMEngine(config))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from thinkspec.bench.bench import CellResult
-from thinkspec.bench.sweep import RelaxSetting, SweepResult, calibrate, make_grid, pareto_frontier
+from thinkspec.bench.results import CellResult, SweepResult, pareto_frontier
+from thinkspec.bench.sweep import RelaxSetting, calibrate, make_grid
 from thinkspec.config import SpeculativeConfig
 from thinkspec.entrypoints.cli import main
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
-import torch
-
-from thinkspec.engine.engine import EngineConfig, LLMEngine, PromptType
+from thinkspec.engine.engine import LLMEngine, PromptType
+from thinkspec.engine_args import EngineArgs
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
@@ -20,74 +21,25 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """A model plus engine for offline generation.
 
-    LLM(model, tokenizer=None, dtype="auto", device="auto", max_model_len=None, max_num_seqs=64,
-        max_num_batched_tokens=2048, block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=None,
-        enable_prefix_caching=True, seed=0, reasoning_parser=None, speculative_config=None,
-        load_format="auto", skip_tokenizer_init=False, attention_backend="auto", enforce_eager=False,
-        async_scheduling=None)
+    LLM(model, **kwargs): kwargs are EngineArgs fields (see thinkspec/engine_args.py for each one's
+    meaning and default), e.g. reasoning_parser="qwen3" or speculative_config={"method":
+    "draft_model", "model": PATH, "num_speculative_tokens": 4, "relaxed_thinking": True}. An unknown
+    name raises TypeError. When speculating, each RequestOutput's metrics.spec_decode holds that
+    request's counters and `last_spec_metrics` the whole last generate()/chat() call's.
 
-    speculative_config: a SpeculativeConfig, a dict or a JSON string, as vLLM's
-    `speculative_config` (e.g. {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4,
-    "relaxed_thinking": True, "relax_ratio": 0.3, "relax_top_k": 3}). When speculating, each
-    RequestOutput's metrics.spec_decode holds that request's counters and `last_spec_metrics` the
-    whole last generate()/chat() call's. load_format="dummy" (as vLLM's) draws random weights from
-    config.json alone, for speed benchmarks of a model shape; skip_tokenizer_init=True (as vLLM's)
-    takes and returns token ids only. attention_backend="triton" runs attention in Triton kernels
-    (CUDA, or the Triton interpreter); "torch" is the reference; "auto" (the default) is Triton on
-    CUDA and torch elsewhere. On CUDA with the Triton backend, decode, verification and draft steps
-    replay CUDA graphs captured on first use; enforce_eager=True (as vLLM's) runs every step eagerly.
-    async_scheduling (as vLLM's; default on for CUDA) overlaps each plain decode step's host work
-    with the device's previous step.
-
-    See EngineConfig for the meaning of each setting. A request whose prompt cannot run (longer
-    than max_model_len or the KV pool, empty, bad token ids) fails alone: its RequestOutput has
-    `error` set and finish_reason "error"; the other requests complete.
+    A request whose prompt cannot run (longer than max_model_len or the KV pool, empty, bad token
+    ids) fails alone: its RequestOutput has `error` set and finish_reason "error"; the other
+    requests complete.
     """
 
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        reasoning_parser: str | None = None,
-        speculative_config: Any = None,
-        load_format: str = "auto",
-        skip_tokenizer_init: bool = False,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            tokenizer=None if tokenizer is None else str(tokenizer),
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            reasoning_parser=reasoning_parser,
-            speculative_config=speculative_config,
-            load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-        )
-        self.llm_engine = LLMEngine(config)
+    def __init__(self, model: str | os.PathLike[str], **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(map(repr, unknown))}")
+        if kwargs.get("tokenizer") is not None:
+            kwargs["tokenizer"] = str(kwargs["tokenizer"])
+        self.llm_engine = LLMEngine(EngineArgs(model=str(model), **kwargs))
         self.last_spec_metrics: SpecDecodeMetrics | None = None
 
     def get_tokenizer(self) -> Any:

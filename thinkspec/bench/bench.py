@@ -8,90 +8,14 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from thinkspec.bench.datasets import BenchItem
-from thinkspec.bench.stats import wilson_interval
+from thinkspec.bench.results import CellResult
 from thinkspec.llm import LLM
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
-
-
-@dataclass(slots=True)
-class CellResult:
-    """Everything measured for one setting; `correct` keeps per-item outcomes for paired tests."""
-
-    name: str
-    setting: dict[str, Any]  # mode ("no_spec" | "strict" | "relaxed"), temperature, relax_* values
-    correct: list[bool]
-    output_tokens: list[int]
-    truncated: int
-    seconds: float
-    latencies: list[float]  # [N] end-to-end seconds per request
-    ttfts: list[float]  # [N] time to first token per request
-    spec: dict[str, Any] | None = None  # SpecDecodeMetrics.to_dict() of the cell, None without speculation
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def n(self) -> int:
-        return len(self.correct)
-
-    @property
-    def accuracy(self) -> float:
-        return sum(self.correct) / max(1, self.n)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(self.output_tokens) / max(self.seconds, 1e-9)
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        return None if self.spec is None else self.spec["mean_acceptance_length"]
-
-    def summary(self) -> dict[str, Any]:
-        """Flat numbers for tables, CSV and JSON (per-item lists left out)."""
-        low, high = wilson_interval(sum(self.correct), self.n)
-        lat = np.asarray(self.latencies or [float("nan")])
-        row: dict[str, Any] = {
-            "name": self.name,
-            **self.setting,
-            "num_prompts": self.n,
-            "num_correct": sum(self.correct),
-            "accuracy": self.accuracy,
-            "accuracy_ci_low": low,
-            "accuracy_ci_high": high,
-            "mean_output_tokens": float(np.mean(self.output_tokens)) if self.output_tokens else 0.0,
-            "truncation_rate": self.truncated / max(1, self.n),
-            "seconds": self.seconds,
-            "tokens_per_s": self.tokens_per_s,
-            "latency_mean_s": float(np.mean(lat)),
-            "latency_p50_s": float(np.percentile(lat, 50)),
-            "latency_p90_s": float(np.percentile(lat, 90)),
-            "ttft_mean_s": float(np.mean(self.ttfts)) if self.ttfts else float("nan"),
-        }
-        if self.spec is not None:
-            by_phase = self.spec["by_phase"]
-            row.update(
-                mean_acceptance_length=self.spec["mean_acceptance_length"],
-                thinking_acceptance_length=by_phase["thinking"]["mean_acceptance_length"],
-                answer_acceptance_length=by_phase["answer"]["mean_acceptance_length"],
-                draft_acceptance_rate=self.spec["draft_acceptance_rate"],
-                relaxed_share=self.spec["relaxed_share"],
-                acceptance_rate_per_pos=self.spec["acceptance_rate_per_pos"],
-            )
-        row.update(self.extra)
-        return row
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CellResult:
-        return cls(**data)
 
 
 def format_prompts(llm: LLM, items: list[BenchItem]) -> list[str]:
@@ -187,7 +111,7 @@ def run_bench_command(args: Any) -> int:
     """`thinkspec bench`: one engine configuration on a dataset; a table on stdout, JSON on request."""
     from thinkspec.bench.datasets import load_dataset
     from thinkspec.bench.report import format_table, write_json
-    from thinkspec.entrypoints.cli import engine_kwargs
+    from thinkspec.engine_args import engine_kwargs
 
     try:
         sampling_params_for(1, args.temperature, args.max_tokens, args.sampling_seed)  # fail before loading

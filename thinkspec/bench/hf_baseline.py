@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from thinkspec.bench.bench import CellResult
 from thinkspec.bench.datasets import BenchItem
+from thinkspec.bench.results import CellResult
 
 
 def _torch_dtype(dtype: str) -> Any:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from thinkspec.bench.sweep import Calibration, SweepResult
+from thinkspec.bench.results import Calibration, SweepResult
 
 TABLE_COLUMNS = (
     ("name", "cell", "{}"),

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from thinkspec.bench.bench import CellResult, format_prompts, run_cell, sampling_params_for
+from thinkspec.bench.bench import format_prompts, run_cell, sampling_params_for
 from thinkspec.bench.datasets import BenchItem
-from thinkspec.bench.stats import compare_paired
+from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, SweepResult, cell_name
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.llm import LLM
-
-SPEED_METRICS = ("tokens_per_s", "acceptance_length")
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,93 +62,8 @@ def make_grid(
     return [RelaxSetting(r, k, d) for r, k, d in itertools.product(ratios, top_ks, deltas or (None,))]
 
 
-def cell_name(temperature: float, mode: str) -> str:
-    return f"T={temperature:g} {mode}"
-
-
-@dataclass(slots=True)
-class SweepResult:
-    """All cells, plus each cell's paired comparison with strict at its temperature."""
-
-    config: dict[str, Any]
-    cells: list[CellResult] = field(default_factory=list)
-    comparisons: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell name -> PairedComparison dict
-    hf: list[CellResult] = field(default_factory=list)  # HF transformers side-by-side runs
-
-    def cell(self, name: str) -> CellResult:
-        for c in self.cells:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
-    def strict(self, temperature: float) -> CellResult:
-        return self.cell(cell_name(temperature, "strict"))
-
-    def compare_all(self, num_resamples: int = 10_000, seed: int = 0) -> None:
-        """Fill `comparisons`: every cell (strict included, a zero check) against strict."""
-        self.comparisons = {}
-        for c in self.cells:
-            ref = self.strict(c.setting["temperature"])
-            self.comparisons[c.name] = compare_paired(c.correct, ref.correct, num_resamples, seed).to_dict()
-
-    def rows(self) -> list[dict[str, Any]]:
-        """One flat row per cell: summary numbers, the comparison with strict, frontier flags."""
-        rows = []
-        for c in self.cells:
-            row = c.summary()
-            for key, value in self.comparisons.get(c.name, {}).items():
-                row[f"vs_strict_{key}"] = value
-            rows.append(row)
-        for t in self.temperatures:
-            group = [r for r in rows if r["temperature"] == t]
-            for metric in SPEED_METRICS:
-                key = "tokens_per_s" if metric == "tokens_per_s" else "mean_acceptance_length"
-                pts = [(r["accuracy"], r.get(key)) for r in group]
-                for r, on in zip(group, pareto_frontier(pts)):
-                    r[f"frontier_{metric}"] = on
-        return rows
-
-    @property
-    def temperatures(self) -> list[float]:
-        return sorted({c.setting["temperature"] for c in self.cells})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "rows": self.rows(),
-            "comparisons": self.comparisons,
-            "cells": [c.to_dict() for c in self.cells],
-            "hf": [c.to_dict() for c in self.hf],
-            "hf_rows": [c.summary() for c in self.hf],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SweepResult:
-        return cls(
-            config=data["config"],
-            cells=[CellResult.from_dict(c) for c in data["cells"]],
-            comparisons=data.get("comparisons", {}),
-            hf=[CellResult.from_dict(c) for c in data.get("hf", [])],
-        )
-
-
-def pareto_frontier(points: Sequence[tuple[float, float | None]]) -> list[bool]:
-    """Which (accuracy, speed) points no other point beats on both (>= on both, > on one).
-
-    Points with speed None (no speculation has no acceptance length) are never on the frontier.
-    """
-    flags = []
-    for i, (acc, speed) in enumerate(points):
-        if speed is None:
-            flags.append(False)
-            continue
-        dominated = any(
-            s is not None and a >= acc and s >= speed and (a > acc or s > speed)
-            for j, (a, s) in enumerate(points)
-            if j != i
-        )
-        flags.append(not dominated)
-    return flags
+# One cell of the plan: (mode "no_spec" | "strict" | "relaxed", temperature, relaxed setting or None).
+PlannedCell = tuple[str, float, RelaxSetting | None]
 
 
 def run_sweep(
@@ -180,11 +93,7 @@ def run_sweep(
     for t in temperatures:
         if t < 0:
             raise ValueError(f"temperatures must be >= 0, got {t}")
-    strict_cfg = {**speculative_config, "relaxed_thinking": False}
-    strict_cfg.pop("relax_ratio", None)
-    strict_cfg.pop("relax_top_k", None)
-    strict_cfg.pop("relax_delta", None)
-    SpeculativeConfig.from_dict(strict_cfg)  # fail before any model loads
+    strict_cfg = _strict_config(speculative_config)
     result = SweepResult(
         config={
             **(config or {}),
@@ -196,72 +105,83 @@ def run_sweep(
             "grid": [s.label for s in settings],
         }
     )
-    order: list[tuple[str, float, RelaxSetting | None]] = []  # report order: by temperature
+    order: list[PlannedCell] = []  # report order: by temperature
     for t in temperatures:
         if include_no_spec:
             order.append(("no_spec", t, None))
         order.append(("strict", t, None))
         order += [("relaxed", t, s) for s in settings]
-    done: dict[str, CellResult] = {}
-    if previous is not None:
-        keys = ("dataset", "num_prompts", "max_tokens", "seed", "speculative_config")
-        mismatch = [k for k in keys if previous.config.get(k) != result.config.get(k)]
-        if mismatch:
-            raise ValueError(f"cannot resume: the earlier sweep differs in {mismatch}")
-        done = {c.name: c for c in previous.cells}
+    done = _resumable_cells(previous, result.config)
     # Run order: plain cells first, then speculative ones, so each LLM loads once.
     plan = [x for x in order if x[0] == "no_spec"] + [x for x in order if x[0] != "no_spec"]
-    plan = [x for x in plan if cell_name(x[1], x[0] if x[2] is None else x[2].label) not in done]
+    plan = [x for x in plan if _planned_name(x) not in done]
     result.cells = list(done.values())
+    _run_plan(plan, result, engine_kwargs, strict_cfg, items, max_tokens, seed, warmup, use_tqdm, on_cell)
+    rank = {_planned_name(x): i for i, x in enumerate(order)}
+    result.cells.sort(key=lambda c: rank.get(c.name, len(rank)))
+    result.config["temperatures"] = result.temperatures  # resumed cells included
+    result.compare_all()
+    return result
 
+
+def _strict_config(speculative_config: dict[str, Any]) -> dict[str, Any]:
+    """The speculative config with relaxation off; ValueError before any model loads."""
+    strict_cfg = {**speculative_config, "relaxed_thinking": False}
+    strict_cfg.pop("relax_ratio", None)
+    strict_cfg.pop("relax_top_k", None)
+    strict_cfg.pop("relax_delta", None)
+    SpeculativeConfig.from_dict(strict_cfg)
+    return strict_cfg
+
+
+def _planned_name(cell: PlannedCell) -> str:
+    mode, t, setting = cell
+    return cell_name(t, mode if setting is None else setting.label)
+
+
+def _resumable_cells(previous: SweepResult | None, config: dict[str, Any]) -> dict[str, CellResult]:
+    """The finished cells of an earlier sweep by name; ValueError when it measured something else."""
+    if previous is None:
+        return {}
+    keys = ("dataset", "num_prompts", "max_tokens", "seed", "speculative_config")
+    mismatch = [k for k in keys if previous.config.get(k) != config.get(k)]
+    if mismatch:
+        raise ValueError(f"cannot resume: the earlier sweep differs in {mismatch}")
+    return {c.name: c for c in previous.cells}
+
+
+def _run_plan(
+    plan: list[PlannedCell],
+    result: SweepResult,
+    engine_kwargs: dict[str, Any],
+    strict_cfg: dict[str, Any],
+    items: list[BenchItem],
+    max_tokens: int,
+    seed: int,
+    warmup: bool,
+    use_tqdm: bool,
+    on_cell: Callable[[SweepResult], None] | None,
+) -> None:
+    """Run the planned cells in order, appending each to result.cells; one LLM in memory at a time."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(plan), desc="sweep cells", disable=not use_tqdm, dynamic_ncols=True)
     llms: dict[str, LLM] = {}
-    prompts: list[str] | None = None
+    prompts: list[str] = []
     try:
-        for mode, t, setting in plan:
+        for planned in plan:
+            mode, t, _ = planned
             kind = "plain" if mode == "no_spec" else "spec"
             if kind not in llms:
                 _release(llms)  # one model set in memory at a time
-                cfg = None if kind == "plain" else strict_cfg
-                llms[kind] = LLM(**engine_kwargs, speculative_config=cfg)
+                llms[kind] = LLM(**engine_kwargs, speculative_config=None if kind == "plain" else strict_cfg)
                 result.config["device"] = _device_name(llms[kind])
                 prompts = format_prompts(llms[kind], items)
                 if warmup:  # compile / capture / allocate before anything is timed
-                    run_cell(
-                        llms[kind],
-                        items[:4],
-                        "warmup",
-                        {},
-                        t,
-                        min(max_tokens, 32),
-                        seed,
-                        prompts=prompts[:4],
-                        use_tqdm=False,
-                    )
-            label = mode if setting is None else setting.label
-            row_setting: dict[str, Any] = {"mode": mode, "temperature": t}
-            row_setting.update(
-                setting.overrides()
-                if setting is not None
-                else {"relax_ratio": None, "relax_top_k": None, "relax_delta": None}
-            )
-            row_setting.pop("relaxed_thinking", None)
-            bar.set_postfix_str(cell_name(t, label))
-            overrides = {} if setting is None else setting.overrides()
-            cell = run_cell(
-                llms[kind],
-                items,
-                cell_name(t, label),
-                row_setting,
-                t,
-                max_tokens,
-                seed,
-                prompts=prompts,
-                use_tqdm=use_tqdm,
-                **overrides,
-            )
+                    warm = min(max_tokens, 32)
+                    run_cell(llms[kind], items[:4], "warmup", {}, t, warm, seed, prompts[:4], use_tqdm=False)
+            bar.set_postfix_str(_planned_name(planned))
+            cell = _run_planned_cell(llms[kind], items, prompts, planned, max_tokens, seed, use_tqdm)
             result.cells.append(cell)
             if on_cell is not None:
                 on_cell(result)
@@ -269,33 +189,29 @@ def run_sweep(
     finally:
         bar.close()
         _release(llms)
-    rank = {cell_name(t, m if st is None else st.label): i for i, (m, t, st) in enumerate(order)}
-    result.cells.sort(key=lambda c: rank.get(c.name, len(rank)))
-    result.config["temperatures"] = result.temperatures  # resumed cells included
-    result.compare_all()
-    return result
 
 
-@dataclass(slots=True)
-class Calibration:
-    """The fastest setting whose accuracy drop against strict stays within the budget at 95%."""
-
-    temperature: float
-    accuracy_budget: float
-    by: str
-    chosen: str  # cell name
-    speculative_config: dict[str, Any]
-    candidates: list[dict[str, Any]]  # name, speed, vs-strict CI low, within_budget
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "accuracy_budget": self.accuracy_budget,
-            "by": self.by,
-            "chosen": self.chosen,
-            "speculative_config": self.speculative_config,
-            "candidates": self.candidates,
-        }
+def _run_planned_cell(
+    llm: LLM,
+    items: list[BenchItem],
+    prompts: list[str],
+    planned: PlannedCell,
+    max_tokens: int,
+    seed: int,
+    use_tqdm: bool,
+) -> CellResult:
+    """One cell; a relaxed one runs on the strict engine through per-request overrides."""
+    mode, t, setting = planned
+    row_setting: dict[str, Any] = {"mode": mode, "temperature": t}
+    row_setting.update(
+        setting.overrides()
+        if setting is not None
+        else {"relax_ratio": None, "relax_top_k": None, "relax_delta": None}
+    )
+    row_setting.pop("relaxed_thinking", None)
+    overrides = {} if setting is None else setting.overrides()
+    name = _planned_name(planned)
+    return run_cell(llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, **overrides)
 
 
 def calibrate(
@@ -366,42 +282,17 @@ def _ints(text: str, flag: str) -> list[int]:
 def run_sweep_command(args: Any) -> int:
     """`thinkspec sweep`: the grid, the report files, and the calibrated config when asked."""
     import json
-    import shlex
     import sys
     from pathlib import Path
 
-    from thinkspec.bench.datasets import load_dataset
     from thinkspec.bench.report import format_table, write_json, write_sweep_outputs
-    from thinkspec.entrypoints.cli import DEFAULT_TOY, engine_kwargs
-    from thinkspec.toy.assets import resolve_model_path
 
     def fail(message: str) -> int:
         print(f"thinkspec sweep: error: {message}", file=sys.stderr)
         return 2
 
     try:
-        settings = make_grid(
-            _floats(args.relax_ratios, "--relax-ratios"),
-            _ints(args.relax_top_ks, "--relax-top-ks"),
-            _floats(args.relax_deltas, "--relax-deltas") or [None],
-        )
-        temperatures = _floats(args.temperatures, "--temperatures")
-        if not temperatures:
-            raise ValueError("--temperatures needs at least one value")
-        if args.accuracy_budget is not None and not 0 <= args.accuracy_budget <= 1:
-            raise ValueError(f"--accuracy-budget must be in [0, 1], got {args.accuracy_budget}")
-        if args.hf_baseline_prompts < 0:
-            raise ValueError(f"--hf-baseline-prompts must be >= 0, got {args.hf_baseline_prompts}")
-        kwargs = engine_kwargs(args)
-        spec = kwargs.pop("speculative_config", None)
-        if spec is None:
-            if args.model != DEFAULT_TOY:
-                raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
-            spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
-        spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
-        for t in temperatures:
-            sampling_params_for(1, t, args.max_tokens, args.sampling_seed)  # fail before loading
-        items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+        settings, temperatures, kwargs, spec, items = _sweep_inputs(args)
     except ValueError as e:
         return fail(str(e))
 
@@ -413,17 +304,6 @@ def run_sweep_command(args: Any) -> int:
     if args.resume and earlier.is_file():
         previous = SweepResult.from_dict(json.loads(earlier.read_text(encoding="utf-8")))
         print(f"resuming: {len(previous.cells)} cells already in {earlier}", file=sys.stderr)
-    config = {
-        "dataset": args.dataset,
-        "model": kwargs["model"],
-        "device": kwargs.get("device", "auto"),
-        "dtype": kwargs.get("dtype", "auto"),
-    }
-    # Every invocation that added cells, in order: a resumed sweep's report lists them all.
-    commands = [] if previous is None else list(previous.config.get("commands", []))
-    if sys.argv[1:2] == ["sweep"]:
-        commands.append("thinkspec " + shlex.join(sys.argv[1:]))
-    config["commands"] = commands
     try:
         result = run_sweep(
             kwargs,
@@ -436,7 +316,7 @@ def run_sweep_command(args: Any) -> int:
             include_no_spec=not args.skip_no_spec,
             use_tqdm=not args.no_progress,
             on_cell=lambda r: write_json(r.to_dict(), partial),
-            config=config,
+            config=_sweep_config(args, kwargs, previous),
             previous=previous,
         )
     except ValueError as e:
@@ -444,32 +324,7 @@ def run_sweep_command(args: Any) -> int:
     if previous is not None and not args.hf_baseline_prompts:
         result.hf = previous.hf  # a resumed sweep keeps the side-by-side runs it already has
     if args.hf_baseline_prompts:
-        from thinkspec.bench.hf_baseline import run_hf_generate
-
-        hf_items = items[: args.hf_baseline_prompts]
-        device = "cuda" if kwargs.get("device", "auto") in ("auto", "cuda") and _cuda() else "cpu"
-        dtype = {
-            "bf16": "bfloat16",
-            "fp16": "float16",
-            "half": "float16",
-            "fp32": "float32",
-            "float": "float32",
-        }
-        dtype = dtype.get(kwargs.get("dtype", "auto"), kwargs.get("dtype", "auto"))
-        if dtype == "auto":  # as the engine: the checkpoint's bf16 on GPU, fp32 on CPU
-            dtype = "bfloat16" if device == "cuda" else "float32"
-        for draft in (None, spec["model"]):
-            result.hf.append(
-                run_hf_generate(
-                    kwargs["model"],
-                    hf_items,
-                    draft,
-                    args.max_tokens,
-                    device,
-                    dtype,
-                    use_tqdm=not args.no_progress,
-                )
-            )
+        _run_hf_baselines(result, kwargs, spec["model"], items[: args.hf_baseline_prompts], args)
     calibrations = []
     if args.accuracy_budget is not None:
         calibrations = [
@@ -486,6 +341,81 @@ def run_sweep_command(args: Any) -> int:
         )
         print(json.dumps(cal.speculative_config))
     return 0
+
+
+def _sweep_inputs(
+    args: Any,
+) -> tuple[list[RelaxSetting], list[float], dict[str, Any], dict[str, Any], list[BenchItem]]:
+    """(grid, temperatures, engine kwargs, speculative config, items) from the sweep flags;
+    ValueError for a bad flag, before any model loads."""
+    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.engine_args import engine_kwargs
+    from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
+
+    settings = make_grid(
+        _floats(args.relax_ratios, "--relax-ratios"),
+        _ints(args.relax_top_ks, "--relax-top-ks"),
+        _floats(args.relax_deltas, "--relax-deltas") or [None],
+    )
+    temperatures = _floats(args.temperatures, "--temperatures")
+    if not temperatures:
+        raise ValueError("--temperatures needs at least one value")
+    if args.accuracy_budget is not None and not 0 <= args.accuracy_budget <= 1:
+        raise ValueError(f"--accuracy-budget must be in [0, 1], got {args.accuracy_budget}")
+    if args.hf_baseline_prompts < 0:
+        raise ValueError(f"--hf-baseline-prompts must be >= 0, got {args.hf_baseline_prompts}")
+    kwargs = engine_kwargs(args)
+    spec = kwargs.pop("speculative_config", None)
+    if spec is None:
+        if args.model != DEFAULT_TOY:
+            raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
+        spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
+    spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
+    for t in temperatures:
+        sampling_params_for(1, t, args.max_tokens, args.sampling_seed)  # fail before loading
+    items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+    return settings, temperatures, kwargs, spec, items
+
+
+def _sweep_config(args: Any, kwargs: dict[str, Any], previous: SweepResult | None) -> dict[str, Any]:
+    """What the report records about the run, with every command line that added cells."""
+    import shlex
+    import sys
+
+    config: dict[str, Any] = {
+        "dataset": args.dataset,
+        "model": kwargs["model"],
+        "device": kwargs.get("device", "auto"),
+        "dtype": kwargs.get("dtype", "auto"),
+    }
+    # Every invocation that added cells, in order: a resumed sweep's report lists them all.
+    commands = [] if previous is None else list(previous.config.get("commands", []))
+    if sys.argv[1:2] == ["sweep"]:
+        commands.append("thinkspec " + shlex.join(sys.argv[1:]))
+    config["commands"] = commands
+    return config
+
+
+# HF transformers spells these dtypes by their long names.
+_HF_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _run_hf_baselines(
+    result: SweepResult, kwargs: dict[str, Any], draft_model: str, items: list[BenchItem], args: Any
+) -> None:
+    """Append HF transformers generate and assisted generation (batch 1, greedy) to result.hf."""
+    from thinkspec.bench.hf_baseline import run_hf_generate
+
+    device = "cuda" if kwargs.get("device", "auto") in ("auto", "cuda") and _cuda() else "cpu"
+    dtype = _HF_DTYPES.get(kwargs.get("dtype", "auto"), kwargs.get("dtype", "auto"))
+    if dtype == "auto":  # as the engine: the checkpoint's bf16 on GPU, fp32 on CPU
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    for draft in (None, draft_model):
+        result.hf.append(
+            run_hf_generate(
+                kwargs["model"], items, draft, args.max_tokens, device, dtype, use_tqdm=not args.no_progress
+            )
+        )
 
 
 def _release(llms: dict[str, LLM]) -> None:

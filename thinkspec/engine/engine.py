@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
 from thinkspec.engine.model_runner import (
@@ -23,7 +20,7 @@ from thinkspec.engine.model_runner import (
 )
 from thinkspec.engine.scheduler import Scheduler, SchedulerOutput
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
-from thinkspec.models.loader import LOAD_FORMATS
+from thinkspec.engine_args import EngineArgs
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling.sampler import Sampler
 from thinkspec.sampling_params import SamplingParams
@@ -40,134 +37,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """The backend an attention_backend setting means on device: "auto" is "triton" on CUDA and
     "torch" elsewhere; "torch" and "triton" stand for themselves."""
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return name
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """Engine settings; validated at construction (ValueError names the field, value and range).
-
-    max_model_len: longest prompt + output; default the model's max_position_embeddings, capped
-        by the KV pool's capacity. Prompts longer than min(max_model_len, KV capacity) fail.
-    max_num_batched_tokens: token budget of one forward; longer prompts are prefilled in chunks.
-    kv_cache_memory: bytes for the KV pool (default 256 MiB on CPU; on GPU it overrides
-        gpu_memory_utilization).
-    attention_backend: "auto" (default: "triton" on CUDA, "torch" elsewhere), "torch" (the
-        reference) or "triton" (CUDA, or TRITON_INTERPRET=1); "triton" also runs the models' norms,
-        residual adds, rotary and SiLU * up as fused Triton kernels (layers/fused_triton.py).
-    enforce_eager: never use CUDA graphs (vLLM's flag). Otherwise decode, verification and draft
-        steps replay CUDA graphs when the device is CUDA and the attention backend is Triton.
-    async_scheduling: let a plain (non-speculative) decode step start on the device before the
-        previous step's tokens reach the host, which then commits them while the device works (as
-        vLLM's flag); outputs are unchanged. None (default): on for CUDA without speculative
-        decoding, off otherwise; True with speculative decoding is refused.
-    """
-
-    model: str
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    reasoning_parser: str | None = None
-    speculative_config: Any = None  # SpeculativeConfig | dict | JSON str | None
-    load_format: str = "auto"  # "dummy": random weights from config.json alone (speed benchmarks)
-    skip_tokenizer_init: bool = False  # token ids in and out only (no text, chat or reasoning split)
-    attention_backend: str = "auto"  # "auto" | "torch" (reference) | "triton" (CUDA, or TRITON_INTERPRET=1)
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a checkpoint folder or hub id, got {self.model!r}")
-        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
-            raise ValueError(f"tokenizer must be a path / hub id or None, got {self.tokenizer!r}")
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
-        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
-            )
-        if not _is_int(self.block_size) or not 1 <= self.block_size <= 1024:
-            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        util = self.gpu_memory_utilization
-        if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0.0 < util <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-        kv = self.kv_cache_memory
-        if kv is not None and (not _is_int(kv) or kv < 1):
-            raise ValueError(f"kv_cache_memory must be a number of bytes >= 1 or None, got {kv!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.reasoning_parser is not None:
-            from thinkspec.reasoning import get_reasoning_parser
-
-            get_reasoning_parser(self.reasoning_parser)  # raises ValueError listing the known names
-        self.speculative_config = _parse_speculative_config(self.speculative_config, self.reasoning_parser)
-        if not isinstance(self.skip_tokenizer_init, bool):
-            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
-        if self.skip_tokenizer_init and self.reasoning_parser is not None:
-            raise ValueError(
-                "reasoning_parser needs the tokenizer; it cannot be used with skip_tokenizer_init"
-            )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
-        if (
-            self.attention_backend == "triton"
-            and resolve_device(self.device).type != "cuda"
-            and os.environ.get("TRITON_INTERPRET") != "1"
-        ):
-            raise ValueError(
-                f"attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1), "
-                f"got device={self.device!r}"
-            )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError(
-                "async_scheduling=True is not supported with speculative decoding (leave it None)"
-            )
-
-
-def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
-    """SpeculativeConfig.parse, where the engine's reasoning parser stands in for one the speculative
-    config does not name (as with vLLM's separate --reasoning-parser flag)."""
-    if isinstance(value, str) and value.strip():
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config JSON is invalid: {exc}; got {value!r}") from None
-    if (
-        isinstance(value, Mapping)
-        and reasoning_parser is not None
-        and value.get("reasoning_parser") is None
-        and value.get("think_start_token") is None
-    ):
-        value = {**value, "reasoning_parser": reasoning_parser}
-    return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
 
 
 @dataclass(slots=True)
@@ -184,7 +59,7 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineArgs) -> None:
         from transformers import AutoTokenizer
 
         from thinkspec.models.loader import load_model

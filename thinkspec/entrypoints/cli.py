@@ -7,130 +7,13 @@ Subcommand bodies import their heavy modules lazily; `thinkspec --help` needs on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-DEFAULT_TOY = "toy-reasoner"
+from thinkspec.engine_args import add_engine_args, json_arg
+
 # What `thinkspec serve` imports beyond the core dependencies.
 SERVER_MODULES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
-
-
-def _json_arg(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
-    """Flags that build an `LLM` / engine, named as in vLLM."""
-    if model_positional:
-        p.add_argument(
-            "model",
-            nargs="?",
-            default=DEFAULT_TOY,
-            help="Hugging Face checkpoint folder or hub id; 'toy-reasoner' = the bundled toy pair's target "
-            "(default: %(default)s)",
-        )
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"],
-        help="weight and activation dtype; auto = the checkpoint's dtype on GPU, float32 on CPU",
-    )
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="most tokens in one forward (chunked prefill)",
-    )
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="fraction of GPU memory the engine may use, weights and KV cache together (GPU only)",
-    )
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache size in bytes (CPU)")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse KV blocks of shared prompt prefixes",
-    )
-    p.add_argument("--seed", type=int, default=None, help="engine random seed")
-    p.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=["deepseek_r1", "qwen3"],
-        help="split outputs into reasoning_content and content, and find the thinking phase",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=_json_arg,
-        default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "draft_model", "model": "PATH", '
-        '"num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
-        '"relax_top_k": 3}\'',
-    )
-    p.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=["auto", "torch", "triton"],
-        help="attention kernels: triton (CUDA), torch (the reference); auto = triton on CUDA, else torch",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="never use CUDA graphs (by default decode, verify and draft steps replay them on CUDA)",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch each plain decode step before the previous step's tokens reach the host "
-        "(default: on for CUDA, off elsewhere)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM(...) keyword arguments from parsed engine flags; unset flags keep the LLM defaults."""
-    from thinkspec.toy.assets import resolve_model_path
-
-    names = [
-        "tokenizer",
-        "dtype",
-        "device",
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "gpu_memory_utilization",
-        "kv_cache_memory",
-        "enable_prefix_caching",
-        "seed",
-        "reasoning_parser",
-        "speculative_config",
-        "attention_backend",
-        "enforce_eager",
-        "async_scheduling",
-    ]
-    kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    kwargs["model"] = resolve_model_path(args.model)
-    spec = kwargs.get("speculative_config")
-    if spec is not None and isinstance(spec.get("model"), str):
-        spec["model"] = resolve_model_path(spec["model"])
-    return kwargs
 
 
 def _add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -149,13 +32,8 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="thinkspec",
-        description="Speculative decoding for reasoning models with relaxed acceptance while thinking.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec demo`: the bundled pair, strict vs relaxed."""
     demo = sub.add_parser(
         "demo",
         help="answer fresh toy problems with strict and relaxed speculative decoding on the bundled pair",
@@ -170,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--relax-ratio", type=float, default=None, help="relaxed mode's relax_ratio")
     demo.add_argument("--relax-top-k", type=int, default=None, help="relaxed mode's relax_top_k")
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec generate`: engine flags plus prompts and sampling settings."""
     gen = sub.add_parser(
         "generate",
         help="generate completions for prompts given on the command line or in a file",
@@ -182,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="wrap each prompt as a user message via the chat template"
     )
     gen.add_argument(
-        "--chat-template-kwargs", type=_json_arg, default=None, help="JSON passed to the chat template"
+        "--chat-template-kwargs", type=json_arg, default=None, help="JSON passed to the chat template"
     )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -190,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec serve`: engine flags plus the HTTP server's."""
     serve = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
@@ -226,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; larger ones get 413 (default: %(default)s)",
     )
 
+
+def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec bench`: engine and dataset flags for one setting."""
     bench = sub.add_parser(
         "bench",
         help="measure one configuration on a dataset: accuracy, acceptance, speed",
@@ -238,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     bench.add_argument("--output-json", default=None, help="write the results here")
 
+
+def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`thinkspec sweep`: engine and dataset flags plus the grid, calibration and resume."""
     sweep = sub.add_parser(
         "sweep",
         help="grid over relax_ratio x relax_top_k with no-spec and strict baselines, report and calibration",
@@ -280,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep.json) and run only the missing ones, e.g. a second temperature",
     )
     sweep.add_argument("--no-plot", action="store_true", help="skip pareto.png (no matplotlib needed)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thinkspec",
+        description="Speculative decoding for reasoning models with relaxed acceptance while thinking.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo_parser(sub)
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    _add_bench_parser(sub)
+    _add_sweep_parser(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from thinkspec.engine_args import engine_kwargs
 from thinkspec.outputs import RequestOutput
 
 
@@ -57,15 +58,9 @@ def _print_text(index: int, record: dict[str, Any], split: bool) -> None:
 
 def build_llm(args: argparse.Namespace) -> Any:
     """An LLM from the engine flags; ValueError for flags this engine cannot honour."""
-    import inspect
-
-    from thinkspec.entrypoints.cli import engine_kwargs
     from thinkspec.llm import LLM
 
-    kwargs = engine_kwargs(args)
-    if "speculative_config" in kwargs and "speculative_config" not in inspect.signature(LLM).parameters:
-        raise ValueError("--speculative-config: this build of the engine has no speculative decoding")
-    return LLM(**kwargs)
+    return LLM(**engine_kwargs(args))
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from thinkspec.engine_args import LOAD_FORMATS
 from thinkspec.layers.linear import MergedLinear
 from thinkspec.layers.rotary import RotaryEmbedding
 from thinkspec.models.config import DecoderConfig
@@ -62,9 +63,6 @@ class ModelInfo:
     top_p: float | None = None
     top_k: int | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)  # the raw file, {} when absent
-
-
-LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_TOY = "toy-reasoner"  # the CLI's model when none is given
 TOY_MODELS = {
     "toy-reasoner": ASSETS_DIR / "toy-reasoner" / "target",
     "toy-reasoner-draft": ASSETS_DIR / "toy-reasoner" / "draft",

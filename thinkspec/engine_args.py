@@ -1,0 +1,245 @@
+"""EngineArgs: every engine option in one dataclass, with its help text; the CLI flags derive from it.
+
+A leaf module: the stdlib at import time (so `thinkspec --help` stays cheap); torch, the reasoning
+parsers and SpeculativeConfig are imported when an EngineArgs is validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
+
+if TYPE_CHECKING:
+    import torch
+
+    from thinkspec.config import SpeculativeConfig
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+# The names of thinkspec.reasoning.REASONING_PARSERS, spelled out so the CLI needs no torch.
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def json_arg(text: str) -> dict[str, Any]:
+    """argparse type of --speculative-config: a JSON object, else a usage error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _option(default: Any, help_text: str, **cli: Any) -> Any:
+    """A field with its help text; cli holds extra add_argument settings (choices, type)."""
+    return field(default=default, metadata={"help": help_text, **cli})
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Engine settings; validated at construction (ValueError names the field, value and range).
+
+    Each field's help text is in its metadata["help"]; `add_engine_args` turns the fields into the
+    CLI's flags (`max_model_len` -> `--max-model-len`, as vLLM spells them).
+    """
+
+    model: str = field(metadata={"help": "Hugging Face checkpoint folder or hub id"})
+    tokenizer: str | None = _option(None, "tokenizer folder or hub id (default: the model's)")
+    dtype: str | torch.dtype = _option(
+        "auto",
+        "weight and activation dtype; auto = the checkpoint's dtype on GPU, float32 on CPU",
+        choices=DTYPES,
+    )
+    device: str = _option("auto", "cuda, cpu or auto (cuda when available)")
+    max_model_len: int | None = _option(
+        None,
+        "context length limit (prompt + output); default the model's max_position_embeddings, "
+        "capped by the KV pool's capacity. Prompts longer than min(max_model_len, KV capacity) fail",
+    )
+    max_num_seqs: int = _option(64, "most requests in one batch")
+    max_num_batched_tokens: int = _option(
+        2048, "most tokens in one forward; longer prompts are prefilled in chunks"
+    )
+    block_size: int = _option(16, "tokens per KV-cache block")
+    gpu_memory_utilization: float = _option(
+        0.9, "fraction of GPU memory the engine may use, weights and KV cache together (GPU only)"
+    )
+    kv_cache_memory: int | None = _option(
+        None, "KV-cache size in bytes (default 256 MiB on CPU; on GPU it overrides gpu_memory_utilization)"
+    )
+    enable_prefix_caching: bool = _option(True, "reuse KV blocks of shared prompt prefixes")
+    seed: int = _option(0, "engine random seed")
+    reasoning_parser: str | None = _option(
+        None,
+        "split outputs into reasoning_content and content, and find the thinking phase",
+        choices=REASONING_PARSER_NAMES,
+    )
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _option(
+        None,
+        "speculative decoding as a SpeculativeConfig, a dict or JSON, e.g. '{\"method\": \"draft_model\", "
+        '"model": "PATH", "num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
+        "\"relax_top_k\": 3}'",
+        type=json_arg,
+    )
+    load_format: str = _option(
+        "auto", "dummy = random weights from config.json alone (speed benchmarks)", choices=LOAD_FORMATS
+    )
+    skip_tokenizer_init: bool = _option(False, "token ids in and out only (no text, chat or reasoning split)")
+    attention_backend: str = _option(
+        "auto",
+        "attention kernels: triton (CUDA, or TRITON_INTERPRET=1), torch (the reference); auto = triton "
+        "on CUDA, else torch. triton also runs the models' norms, residual adds, rotary and SiLU * up "
+        "as fused Triton kernels",
+        choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = _option(
+        False,
+        "never use CUDA graphs (by default decode, verify and draft steps replay them on CUDA with the "
+        "triton backend)",
+    )
+    async_scheduling: bool | None = _option(
+        None,
+        "launch each plain decode step before the previous step's tokens reach the host, which then "
+        "commits them while the device works; outputs are unchanged (default: on for CUDA without "
+        "speculative decoding, off otherwise; on with speculative decoding is refused)",
+    )
+
+    def __post_init__(self) -> None:
+        from thinkspec.utils import resolve_device
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint folder or hub id, got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a path / hub id or None, got {self.tokenizer!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
+            )
+        if not _is_int(self.block_size) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        kv = self.kv_cache_memory
+        if kv is not None and (not _is_int(kv) or kv < 1):
+            raise ValueError(f"kv_cache_memory must be a number of bytes >= 1 or None, got {kv!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.reasoning_parser is not None:
+            from thinkspec.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # raises ValueError listing the known names
+        self.speculative_config = _parse_speculative_config(self.speculative_config, self.reasoning_parser)
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+        if self.skip_tokenizer_init and self.reasoning_parser is not None:
+            raise ValueError(
+                "reasoning_parser needs the tokenizer; it cannot be used with skip_tokenizer_init"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if (
+            self.attention_backend == "triton"
+            and resolve_device(self.device).type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1), "
+                f"got device={self.device!r}"
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "async_scheduling=True is not supported with speculative decoding (leave it None)"
+            )
+
+
+def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
+    """SpeculativeConfig.parse, where the engine's reasoning parser stands in for one the speculative
+    config does not name (as with vLLM's separate --reasoning-parser flag)."""
+    from thinkspec.config import SpeculativeConfig
+
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config JSON is invalid: {exc}; got {value!r}") from None
+    if (
+        isinstance(value, Mapping)
+        and reasoning_parser is not None
+        and value.get("reasoning_parser") is None
+        and value.get("think_start_token") is None
+    ):
+        value = {**value, "reasoning_parser": reasoning_parser}
+    return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
+
+
+# argparse type per field annotation (its first alternative); other fields name theirs in metadata.
+_ARG_TYPES: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float}
+
+
+def _add_field_flag(p: argparse.ArgumentParser, f: Field[Any]) -> None:
+    """--NAME for one EngineArgs field. Every flag defaults to None, meaning "not given", so
+    engine_kwargs leaves the field at its EngineArgs default. Booleans get --NAME / --no-NAME."""
+    help_text = f.metadata["help"]
+    if f.default is not None and f.default is not MISSING:
+        help_text += f" (default: {f.default})"
+    flag = "--" + f.name.replace("_", "-")
+    kind = str(f.type).split(" | ")[0]
+    if kind == "bool":
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        return
+    arg_type = f.metadata["type"] if "type" in f.metadata else _ARG_TYPES[kind]
+    p.add_argument(flag, type=arg_type, choices=f.metadata.get("choices"), default=None, help=help_text)
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """One flag per EngineArgs field, named as in vLLM; MODEL is positional, the toy pair by default."""
+    for f in fields(EngineArgs):
+        if f.name != "model":
+            _add_field_flag(p, f)
+        elif model_positional:
+            p.add_argument(
+                "model",
+                nargs="?",
+                default=DEFAULT_TOY,
+                help=f"{f.metadata['help']}; '{DEFAULT_TOY}' = the bundled toy pair's target "
+                "(default: %(default)s)",
+            )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) / EngineArgs(...) keyword arguments from parsed engine flags; flags not given keep
+    the EngineArgs defaults. Toy names ("toy-reasoner", "toy-reasoner-draft") become their folders."""
+    given = (f.name for f in fields(EngineArgs) if getattr(args, f.name, None) is not None)
+    kwargs = {name: getattr(args, name) for name in given}
+    kwargs["model"] = resolve_model_path(args.model)
+    spec = kwargs.get("speculative_config")
+    if isinstance(spec, dict) and isinstance(spec.get("model"), str):
+        spec["model"] = resolve_model_path(spec["model"])
+    return kwargs
