@@ -34,12 +34,12 @@ from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
 from thinkspec.engine.model_runner import ModelRunner, use_triton_kernels
-from thinkspec.engine.scheduler import SchedulerOutput
+from thinkspec.engine.scheduler import Scheduler, SchedulerOutput, StepOutcome
 from thinkspec.engine.sequence import Sequence
+from thinkspec.engine.speculator import Speculator
 from thinkspec.models.loader import load_model
 from thinkspec.sampling.sampler import Sampler
 from thinkspec.sampling_params import SamplingParams
-from thinkspec.spec_decode.speculator import Speculator
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -95,14 +95,11 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def commit(sched: SchedulerOutput, result) -> int:
-    """Apply a step's result to the sequences as the scheduler would (no stop checks); tokens emitted."""
-    emitted = 0
-    for seq, tokens, computed in zip(sched.seqs, result.token_ids, result.num_computed):
-        seq.num_computed_tokens += computed
-        seq.token_ids.extend(tokens)
-        emitted += len(tokens)
-    return emitted
+def commit(scheduler: Scheduler, sched: SchedulerOutput, outcomes: list[StepOutcome]) -> int:
+    """Apply a step's outcomes as the engine does; returns the tokens emitted."""
+    for seq, outcome in zip(sched.seqs, outcomes):
+        scheduler.commit(seq, outcome)
+    return sum(len(o.token_ids) for o in outcomes)
 
 
 def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, device: torch.device) -> dict:
@@ -127,8 +124,8 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
     seqs = []
     for b in range(batch):
         prompt = torch.randint(0, tinfo.vocab_size, (args.prompt_len,), generator=gen).tolist()
-        seq = Sequence(str(b), prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
-        seq.has_draft = True
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        seq = Sequence(str(b), prompt, params, has_draft=True)
         bm.allocate(seq, total_tokens)
         seqs.append(seq)
     cfg = SpeculativeConfig(
@@ -138,11 +135,14 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         cfg, target_runner=runners[0], draft_runner=runners[1], reasoning=None,
         sampler=Sampler(0, device), vocab_size=tinfo.vocab_size, max_model_len=total_tokens + k, seed=0,
     )  # fmt: skip
+    scheduler = Scheduler(
+        bm, max_num_seqs=batch, max_num_batched_tokens=batch * args.prompt_len, max_model_len=total_tokens + k
+    )
     prefill = SchedulerOutput(seqs=seqs, num_new_tokens=[args.prompt_len] * batch)
-    commit(prefill, spec.step(prefill))
+    commit(scheduler, prefill, spec.step(prefill))
     decode = SchedulerOutput(seqs=seqs, num_new_tokens=[1] * batch)
     for _ in range(args.warmup):
-        commit(decode, spec.step(decode))
+        commit(scheduler, decode, spec.step(decode))
     round_times, emitted = [], 0
     for _ in range(args.rounds):
         sync(device)
@@ -150,7 +150,7 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         result = spec.step(decode)
         sync(device)
         round_times.append((time.perf_counter() - t0) * 1e3)
-        emitted += commit(decode, result)
+        emitted += commit(scheduler, decode, result)
 
     # The parts, at the context the rounds reached; they write only slots past the committed tokens.
     target_runner, draft_runner = runners

@@ -8,7 +8,8 @@ from checkpoints import tiny_checkpoint
 from test_engine import assert_all_blocks_free, bytes_per_block, random_ids
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.engine.engine import PENDING_TOKEN, LLMEngine
+from thinkspec.engine.engine import LLMEngine
+from thinkspec.engine.sequence import PENDING_TOKEN
 from thinkspec.engine_args import EngineArgs
 
 

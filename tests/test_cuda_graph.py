@@ -16,7 +16,7 @@ from thinkspec.engine.cuda_graph import (
     pack_batch,
     select_graph_key,
 )
-from thinkspec.engine.engine import resolve_attention_backend
+from thinkspec.engine.factory import resolve_attention_backend
 from thinkspec.engine.model_runner import ModelRunner, attention_layers
 from thinkspec.engine.sequence import Sequence
 from thinkspec.engine_args import EngineArgs, engine_kwargs
@@ -319,7 +319,7 @@ def _generate(path, prompts, params, *, enforce_eager, **kw):
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     runners = [engine.model_runner]
-    if engine.speculator is not None and engine.speculator.proposer is not None:
+    if engine.speculator is not None and engine.speculator.has_draft_model:
         runners.append(engine.speculator.proposer.runner)
     replays = [r.graphs.num_replays if r.graphs is not None else 0 for r in runners]
     return [o.outputs[0].token_ids for o in outs], replays, engine

@@ -20,6 +20,8 @@ from thinkspec import LLM, SamplingParams
 from thinkspec.engine.block_manager import BlockManager, hash_block
 from thinkspec.engine.model_runner import ModelRunner
 from thinkspec.engine.sequence import Sequence
+from thinkspec.spec_decode.draft_model import DraftModelProposer
+from thinkspec.spec_decode.proposer import Proposal
 
 BLOCK = 4
 K = 4
@@ -35,7 +37,7 @@ class KVOracle:
         self.block_size = engine.block_manager.block_size
         self.runners: dict[str, ModelRunner] = {"target": engine.model_runner}
         spec = engine.speculator
-        if spec is not None and spec.proposer is not None:
+        if spec is not None and isinstance(spec.proposer, DraftModelProposer):
             self.runners["draft"] = spec.proposer.runner
         self.slots: dict[str, dict[int, tuple[int, ...] | None]] = {name: {} for name in self.runners}
         self.hit_blocks = 0
@@ -238,11 +240,11 @@ class _FixedProposer:
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 
-    def propose(self, seqs, num_new_tokens, spec_index, num_drafts):
+    def propose(self, seqs, num_new_tokens, spec_index, max_drafts):
         out = torch.full((len(spec_index), K), -1, dtype=torch.long)  # [S, k] int64, -1 padded
         for b in range(len(spec_index)):
-            out[b, : num_drafts[b]] = torch.tensor(self.drafts[: num_drafts[b]])
-        return out, None
+            out[b, : max_drafts[b]] = torch.tensor(self.drafts[: max_drafts[b]])
+        return Proposal(out, list(max_drafts))
 
 
 def test_stop_inside_an_accepted_run_caches_committed_blocks_only(target):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.spec_decode.proposer import Proposal
 
 K = 4
 
@@ -254,13 +255,13 @@ class _ScriptedProposer:
     def __init__(self, first: list[int], k: int) -> None:
         self.first, self.k, self.rounds = first, k, 0
 
-    def propose(self, seqs, num_new_tokens, spec_index, num_drafts):
+    def propose(self, seqs, num_new_tokens, spec_index, max_drafts):
         drafts = torch.full((len(spec_index), self.k), -1, dtype=torch.long)
         for b, i in enumerate(spec_index):
             row = self.first if self.rounds == 0 else [seqs[i].last_token_id] * self.k
-            drafts[b, : num_drafts[b]] = torch.tensor(row[: num_drafts[b]])
+            drafts[b, : max_drafts[b]] = torch.tensor(row[: max_drafts[b]])
         self.rounds += bool(spec_index)
-        return drafts, None
+        return Proposal(drafts, list(max_drafts))
 
 
 def test_think_end_drafted_mid_window_makes_later_positions_strict(target):

@@ -97,7 +97,7 @@ class SpeculativeConfig:
     - prompt_lookup_min / prompt_lookup_max: n-gram match lengths (ngram only),
       1 <= min <= max; both unset -> 5 and 5, one unset -> it takes the other's value.
     - relaxed_thinking / relax_ratio / relax_top_k / relax_delta: the relaxed test
-      (see DESIGN.md "The acceptance contract"); engine defaults, overridable per request.
+      (see docs/ACCEPTANCE.md); engine defaults, overridable per request.
     - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
       its markers, or without a parser (both given) define a generic one.
     - synthetic_acceptance_rate: BENCHMARK TOOL ONLY. Each draft is accepted with this

@@ -102,8 +102,8 @@ class BlockManager:
         """Grow seq's block table to hold `num_tokens` tokens, first attaching prefix-cache hits.
 
         computed_blocks (from get_computed_blocks) is only allowed for a sequence with no blocks;
-        it sets num_computed_tokens and num_cached_tokens to the hit length. num_cached_tokens is
-        left alone when there are no hits.
+        it sets num_cached_tokens to the hit length (left alone when there are no hits). The
+        scheduler moves the sequence's K/V pointers to the hits.
         """
         if not self.can_allocate(seq, num_tokens, computed_blocks):
             raise RuntimeError(f"out of KV blocks for request {seq.request_id!r} ({num_tokens} tokens)")
@@ -118,8 +118,7 @@ class BlockManager:
                     del self.free_block_ids[block_id]
                 block.ref_count += 1
                 seq.block_table.append(block_id)
-            seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
-            seq.num_draft_computed_tokens = seq.num_computed_tokens
+            seq.num_cached_tokens = len(computed_blocks) * self.block_size
             seq.num_hashed_blocks = len(computed_blocks)
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
@@ -154,12 +153,6 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data)."""
-        for block in self.blocks:
-            block.hash = None
-        self.cached_block_ids.clear()
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

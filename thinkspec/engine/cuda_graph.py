@@ -154,15 +154,9 @@ def pack_batch(
     real sequences. Raises ValueError / RuntimeError for a batch that does not fit or is malformed.
     """
     num_seqs = len(seqs)
-    if num_seqs > layout.num_seqs:
-        raise ValueError(f"{num_seqs} sequences do not fit a layout of {layout.num_seqs}")
-    if sum(num_new_tokens) > layout.num_tokens or sum(num_logits) > layout.num_rows:
-        raise ValueError(
-            f"{sum(num_new_tokens)} tokens / {sum(num_logits)} logits rows do not fit a layout of "
-            f"{layout.num_tokens} / {layout.num_rows}"
-        )
-    ids_h, pos_h, slot_h, rows_h, qsl_h, lens_h, table_h = layout.split(host)
-    table_h = table_h.reshape(layout.num_seqs, layout.width)
+    _check_fits(layout, num_seqs, num_new_tokens, num_logits)
+    sections = layout.split(host)
+    table_h = sections[6].reshape(layout.num_seqs, layout.width)
     table_h.fill(-1)
     # Plain Python lists, written to the buffer once per section: per-sequence numpy calls cost
     # microseconds each, which adds up to milliseconds per step at hundreds of sequences.
@@ -201,7 +195,32 @@ def pack_batch(
         lens.append(end)
         max_q = max(max_q, n)
         max_len = max(max_len, end)
-    r = len(rows)
+    _write_padded(sections, ids, pos, slots, rows, qsl, lens)
+    return max_q, max_len
+
+
+def _check_fits(layout: InputLayout, num_seqs: int, num_new_tokens: Seq[int], num_logits: Seq[int]) -> None:
+    if num_seqs > layout.num_seqs:
+        raise ValueError(f"{num_seqs} sequences do not fit a layout of {layout.num_seqs}")
+    if sum(num_new_tokens) > layout.num_tokens or sum(num_logits) > layout.num_rows:
+        raise ValueError(
+            f"{sum(num_new_tokens)} tokens / {sum(num_logits)} logits rows do not fit a layout of "
+            f"{layout.num_tokens} / {layout.num_rows}"
+        )
+
+
+def _write_padded(
+    sections: list[np.ndarray],
+    ids: list[int],
+    pos: list[int],
+    slots: list[int],
+    rows: list[int],
+    qsl: list[int],
+    lens: list[int],
+) -> None:
+    """Write the packed lists into the first six sections, padding the rest (see pack_batch)."""
+    ids_h, pos_h, slot_h, rows_h, qsl_h, lens_h = sections[:6]
+    t, r, num_seqs = len(ids), len(rows), len(lens)
     ids_h[:t] = ids
     pos_h[:t] = pos
     slot_h[:t] = slots
@@ -214,7 +233,6 @@ def pack_batch(
     rows_h[r:] = 0
     qsl_h[num_seqs + 1 :] = t
     lens_h[num_seqs:] = 0
-    return max_q, max_len
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,243 +3,57 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
-from thinkspec.engine.model_runner import (
-    ModelRunner,
-    determine_kv_cache_memory,
-    kv_cache_bytes_per_block,
-    measure_cuda_graph_memory,
-    use_triton_kernels,
-)
-from thinkspec.engine.scheduler import Scheduler, SchedulerOutput
+from thinkspec.engine.async_scheduling import InFlight, TokenCopies
+from thinkspec.engine.factory import build_engine_parts
+from thinkspec.engine.scheduler import SchedulerOutput
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.engine_args import EngineArgs
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from thinkspec.sampling.sampler import Sampler
 from thinkspec.sampling_params import SamplingParams
-from thinkspec.spec_decode.draft_model import check_draft_compatible
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
-from thinkspec.spec_decode.speculator import Speculator
-from thinkspec.utils import logger, resolve_device
+from thinkspec.utils import logger
 
 PromptType = str | list[int] | Mapping[str, Any]
-PENDING_TOKEN = -1  # stands for a sampled token still on its way to the host (never an input)
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend an attention_backend setting means on device: "auto" is "triton" on CUDA and
-    "torch" elsewhere; "torch" and "triton" stand for themselves."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A plain step launched on the device whose sampled tokens the host has not committed yet.
-
-    Each pending (row, seq) got PENDING_TOKEN appended to its token_ids when the step was launched
-    (so the scheduler schedules its next position as usual); committing replaces it."""
-
-    tokens: torch.Tensor  # [S] int64 on the device: row i is the token sampled for batch row i
-    host: torch.Tensor  # [S] int64: the host copy of tokens (pinned, filled by a non-blocking copy)
-    done: torch.cuda.Event | None  # recorded after the copy (None on CPU: tokens is the host copy)
-    pending: list[tuple[int, Sequence]] = field(default_factory=list)
-
-
 class LLMEngine:
     def __init__(self, config: EngineArgs) -> None:
-        from transformers import AutoTokenizer
-
-        from thinkspec.models.loader import load_model
-
         self.config = config
-        self.device = resolve_device(config.device)
-        self.model, self.model_info = load_model(config.model, config.dtype, self.device, config.load_format)
-        info = self.model_info
-        self.tokenizer = (
-            None
-            if config.skip_tokenizer_init
-            else AutoTokenizer.from_pretrained(config.tokenizer or str(info.path))
-        )
-        eos = list(info.eos_token_ids)
-        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
-        if tok_eos is not None and tok_eos not in eos:
-            eos.append(tok_eos)
-        self.eos_token_ids = frozenset(eos)
-
-        if config.max_model_len is not None and config.max_model_len > info.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
-                f"({info.max_position_embeddings})"
-            )
-        self.model_len = model_len = config.max_model_len or info.max_position_embeddings
-
-        self.bytes_per_block = kv_cache_bytes_per_block(
-            info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, info.dtype
-        )
-        spec = config.speculative_config
-        self.draft_model = self.draft_info = None
-        if spec is not None and spec.method == "draft_model":  # loaded before sizing: its weights count
-            assert spec.model is not None
-            self.draft_model, self.draft_info = load_model(
-                spec.model, info.dtype, self.device, config.load_format
-            )
-            check_draft_compatible(self.tokenizer, info, self.draft_info)
-            d = self.draft_info
-            # Both pools share the block tables, so one block costs the sum of the two.
-            self.bytes_per_block += kv_cache_bytes_per_block(
-                d.num_layers, config.block_size, d.num_kv_heads, d.head_dim, d.dtype
-            )
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        if self.attention_backend == "triton":
-            for model in (m for m in (self.model, self.draft_model) if m is not None):
-                use_triton_kernels(model)
-        self.use_cuda_graphs = (
-            self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton"
-        )
-        # Query widths: target decode 1, verify windows 1 + drafts (<= k+1); the draft's catch-up
-        # forward 1 or 2 and its per-token steps 1.
-        self._lookahead = lookahead = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        self._target_widths = (1,) if not lookahead else tuple(sorted({1, 2, lookahead + 1}))
-        self._draft_widths = (1, 2)
-        self.graph_memory_bytes = 0
-        if self.use_cuda_graphs and config.kv_cache_memory is None:
-            # In the order the runners first capture: a speculative step runs the draft first.
-            probe = [(self.model, info, self._graph_spec(self._target_widths, model_len, None))]
-            if self.draft_model is not None:
-                draft_spec = self._graph_spec(self._draft_widths, model_len, None)
-                probe.insert(0, (self.draft_model, self.draft_info, draft_spec))
-            self.graph_memory_bytes = measure_cuda_graph_memory(
-                probe, block_size=config.block_size, device=self.device
-            )
-
-        kv_bytes = determine_kv_cache_memory(
-            self.model,
-            device=self.device,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory=config.kv_cache_memory,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=model_len,
-            max_num_seqs=config.max_num_seqs,
-            vocab_size=info.vocab_size,
-            reserved_bytes=self.graph_memory_bytes,
-        )
-        num_blocks = kv_bytes // self.bytes_per_block
-        # More blocks than every running sequence at full length twice over only feed the prefix
-        # cache, and the host bookkeeping grows with them (tiny models on big GPUs).
-        max_useful = 2 * config.max_num_seqs * -(-model_len // config.block_size)
-        if num_blocks > max_useful and config.kv_cache_memory is None:
-            logger.info("KV pool capped at %d blocks (memory for %d)", max_useful, num_blocks)
-            num_blocks = max_useful
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={kv_bytes} bytes holds no KV block; one block of {config.block_size} "
-                f"tokens needs {self.bytes_per_block} bytes"
-            )
-        self.kv_capacity_tokens = num_blocks * config.block_size
-        # Longest prompt + output any request may reach.
-        self.max_model_len = min(model_len, self.kv_capacity_tokens)
-        if config.max_model_len is not None and config.max_model_len > self.kv_capacity_tokens:
-            logger.warning(
-                "max_model_len=%d exceeds the KV cache capacity of %d tokens; requests are capped there",
-                config.max_model_len, self.kv_capacity_tokens,
-            )  # fmt: skip
-
-        pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None  # shared by all graphs
-        self.model_runner = ModelRunner.for_model(
-            self.model,
-            info,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            device=self.device,
-            graphs=self._graph_spec(self._target_widths, self.max_model_len, pool),
-        )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            tokenizer=self.tokenizer,
-        )
-        self.sampler = Sampler(config.seed, self.device)
-        self.reasoning = None
-        protect = tuple(sorted(self.eos_token_ids))
-        if spec is not None and spec.build_reasoning_parser() is not None:
-            self.reasoning = spec.resolve_reasoning(self.tokenizer, extra_protected_token_ids=protect)
-        elif config.reasoning_parser is not None:
-            from thinkspec.reasoning import get_reasoning_parser
-
-            self.reasoning = get_reasoning_parser(config.reasoning_parser).resolve(
-                self.tokenizer, extra_protected_token_ids=protect
-            )
-        self.speculator: Speculator | None = None
-        if spec is not None:
-            draft_runner = None
-            if self.draft_model is not None:
-                draft_runner = ModelRunner.for_model(
-                    self.draft_model,
-                    self.draft_info,
-                    num_blocks=num_blocks,
-                    block_size=config.block_size,
-                    device=self.device,
-                    graphs=self._graph_spec(self._draft_widths, self.max_model_len, pool),
-                )
-            self.speculator = Speculator(
-                spec,
-                target_runner=self.model_runner,
-                draft_runner=draft_runner,
-                reasoning=self.reasoning,
-                sampler=self.sampler,
-                vocab_size=info.vocab_size,
-                max_model_len=self.max_model_len,
-                seed=config.seed,
-            )
+        parts = build_engine_parts(config)  # see factory.py for what each part is
+        m = parts.models
+        self.device, self.model, self.model_info, self.tokenizer = m.device, m.model, m.info, m.tokenizer
+        self.eos_token_ids, self.draft_model, self.draft_info = m.eos_token_ids, m.draft_model, m.draft_info
+        self.attention_backend, self.use_cuda_graphs = m.attention_backend, m.use_cuda_graphs
+        self.configured_max_model_len, self.max_model_len = parts.configured_len, parts.max_model_len
+        self.kv_capacity_tokens, self.graph_memory_bytes = parts.kv_capacity_tokens, parts.graph_memory_bytes
+        self.model_runner, self.block_manager = parts.model_runner, parts.block_manager
+        self.scheduler, self.sampler = parts.scheduler, parts.sampler
+        self.reasoning, self.speculator = parts.reasoning, parts.speculator
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.async_scheduling = self.speculator is None and (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
-        self._in_flight: _InFlight | None = None
-        if self.async_scheduling:
-            pin = self.device.type == "cuda"
-            # Two host buffers: a step's tokens land in one while the previous step's are read.
-            self._token_host = [
-                torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in "ab"
-            ]
-            self._row_index = torch.arange(config.max_num_seqs, device=self.device)
+        self._in_flight: InFlight | None = None
+        self._copies = TokenCopies(config.max_num_seqs, self.device) if self.async_scheduling else None
+        info = self.model_info
         logger.info(
             "engine ready: %s (%s, %s) on %s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d; "
             "attention %s, CUDA graphs %s",
             info.architecture, info.path.name, str(info.dtype).removeprefix("torch."), self.device,
-            num_blocks, config.block_size, num_blocks * self.bytes_per_block / 2**20, self.max_model_len,
-            self.attention_backend, "on" if self.use_cuda_graphs else "off",
+            parts.num_blocks, config.block_size, parts.num_blocks * m.bytes_per_block / 2**20,
+            self.max_model_len, self.attention_backend, "on" if self.use_cuda_graphs else "off",
         )  # fmt: skip
-
-    def _graph_spec(self, widths: tuple[int, ...], max_model_len: int, pool: object) -> GraphSpec | None:
-        """What a runner captures (None: no graphs): widths x buckets up to max_num_seqs, block tables
-        wide enough for max_model_len plus the speculative lookahead slots."""
-        if not self.use_cuda_graphs:
-            return None
-        return GraphSpec(
-            query_widths=widths,
-            batch_sizes=graph_batch_sizes(self.config.max_num_seqs),
-            max_model_len=max_model_len,
-            max_blocks_per_seq=-(-(max_model_len + self._lookahead) // self.config.block_size),
-            pool=pool,
-        )
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -262,10 +76,11 @@ class LLMEngine:
                 f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "
                 "parser (speculative_config with reasoning_parser or think_start/end tokens)"
             )
-        seq = Sequence(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
-        seq.has_draft = self.draft_model is not None
-        if self.reasoning is not None:
-            seq.thinking = self.reasoning.initial_phase(token_ids)
+        seq = Sequence(
+            request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
+            has_draft=self.draft_model is not None,
+            thinking=self.reasoning is not None and self.reasoning.initial_phase(token_ids),
+        )  # fmt: skip
         self.scheduler.add(seq)
         return request_id
 
@@ -295,8 +110,8 @@ class LLMEngine:
         if n == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty (0 tokens)")
         if n > self.max_model_len:
-            why = f"max_model_len={self.model_len}"
-            if self.kv_capacity_tokens < self.model_len:
+            why = f"max_model_len={self.configured_max_model_len}"
+            if self.kv_capacity_tokens < self.configured_max_model_len:
                 why += f", KV cache capacity {self.kv_capacity_tokens} tokens"
             raise ValueError(
                 f"request {request_id!r}: prompt has {n} tokens, more than the limit of "
@@ -310,12 +125,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its final output (finish_reason "abort", tokens so far) comes with the
         next step()."""
-        seq = self.scheduler.abort(request_id)
+        flight = self._in_flight
+        target = self.scheduler.requests.get(request_id)
+        pending = flight is not None and any(p is target for _, p in flight.pending)
+        seq = self.scheduler.abort(request_id, drop_pending=pending)  # its in-flight token goes with it
         if seq is not None:
-            flight = self._in_flight
-            if flight is not None and any(p is seq for _, p in flight.pending):
-                seq.token_ids.pop()  # its in-flight token is dropped with it
-                flight.pending = [(r, p) for r, p in flight.pending if p is not seq]
+            if pending:
+                flight.drop(seq)
             self._pending_outputs.append(self.make_output(seq))
 
     def has_unfinished_requests(self) -> bool:
@@ -324,9 +140,6 @@ class LLMEngine:
             or bool(self._pending_outputs)
             or self._in_flight is not None
         )
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished_requests()
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -341,7 +154,9 @@ class LLMEngine:
         and only then waits for them and commits them; its outputs come one step() later."""
         outputs, self._pending_outputs = self._pending_outputs, []
         flight = self._in_flight
-        if flight is not None and not (self.async_scheduling and self._can_run_ahead(flight)):
+        if flight is not None and not (
+            self.async_scheduling and self.scheduler.can_run_ahead([s for _, s in flight.pending])
+        ):
             outputs += self._commit_in_flight(finished_only)
             flight = None
         spec = self.speculator
@@ -356,112 +171,52 @@ class LLMEngine:
                 )
             return outputs
         if spec is not None:
-            result = spec.step(sched)
-            # KV now holds the accepted tokens only; rejected drafts' slots are reused later.
-            sched.num_new_tokens = result.num_computed
-            for seq in self.scheduler.postprocess(sched, result.token_ids):
-                if seq.is_finished or not finished_only:
-                    outputs.append(self.make_output(seq))
-            return outputs
+            changed = self.scheduler.apply(sched, spec.step(sched))
+            return outputs + self._outputs(changed, finished_only)
+        return outputs + self._plain_step(sched, flight, finished_only)
+
+    def _plain_step(
+        self, sched: SchedulerOutput, flight: InFlight | None, finished_only: bool
+    ) -> list[RequestOutput]:
+        """One forward + sample; with async scheduling, left in flight when every sequence samples."""
         sample_mask = sched.sample_mask()
-        num_logits = [int(m) for m in sample_mask]
         device_tokens = None
         if flight is not None:  # every sequence of this step decodes the token pending in flight
-            rows = {id(seq): r for r, seq in flight.pending}
-            src = [rows[id(seq)] for seq in sched.seqs]
-            index = self._row_index[: len(src)]
-            if src == list(range(len(src))):
-                device_tokens = (index, flight.tokens[: len(src)])
-            else:
-                device_tokens = (index, flight.tokens[torch.tensor(src, device=self.device)])
+            assert self._copies is not None
+            device_tokens = self._copies.feed(flight, sched.seqs)
         logits = self.model_runner.execute_model(
-            sched.seqs, sched.num_new_tokens, num_logits, device_tokens=device_tokens
-        )
+            sched.seqs, sched.num_new_tokens, [int(m) for m in sample_mask], device_tokens=device_tokens
+        )  # [N, V] float32, one row per sampling sequence
         sampled = [s for s, m in zip(sched.seqs, sample_mask) if m]
-        tokens_dev = None
+        tokens = None
         if sampled:
             mask_stops_before_min_tokens(logits.unsqueeze(1), sampled)
-            params = [s.sampling_params for s in sampled]
-            tokens_dev = self.sampler(logits, params, [s.num_output_tokens for s in sampled])
-        if tokens_dev is not None and self.async_scheduling and all(sample_mask):
-            new_flight = self._launch_copy(tokens_dev)
-            if flight is not None:  # the previous step's tokens: wait for them (the device runs on)
-                outputs += self._commit_in_flight(finished_only)
-            self._leave_in_flight(sched, new_flight)
+            params, positions = [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled]
+            tokens = self.sampler(logits, params, positions)
+        if tokens is not None and self.async_scheduling and self._copies is not None and all(sample_mask):
+            new_flight = self._copies.launch(tokens)
+            outputs = self._commit_in_flight(finished_only) if flight is not None else []
+            new_flight.pending = self.scheduler.launch_pending(sched)
+            self._in_flight = new_flight
             return outputs
         assert flight is None  # a step after one in flight decodes every sequence
-        tokens = tokens_dev.tolist() if tokens_dev is not None else []
-        it = iter(tokens)
-        committed = [[next(it)] if m else [] for m in sample_mask]
-        for seq in self.scheduler.postprocess(sched, committed):
-            if seq.is_finished or not finished_only:
-                outputs.append(self.make_output(seq))
-        return outputs
-
-    # ---- async scheduling ---------------------------------------------------------------------
-
-    def _can_run_ahead(self, flight: _InFlight) -> bool:
-        """Whether the next step may launch before flight's tokens are committed: it must be a decode
-        of exactly the sequences pending in flight, none of which can finish by length with the
-        pending token (those are known finished), without preempting anyone for KV blocks."""
-        sch = self.scheduler
-        running = sch.running
-        if sch.waiting or not running or len(running) > sch.max_num_batched_tokens:
-            return False
-        pending = {id(seq) for _, seq in flight.pending}
-        bm = self.block_manager
-        new_blocks = 0
-        for seq in running:
-            if id(seq) not in pending or seq.num_tokens - seq.num_computed_tokens != 1:
-                return False
-            max_tokens = seq.sampling_params.max_tokens
-            if (
-                max_tokens is not None and seq.num_output_tokens >= max_tokens
-            ) or seq.num_tokens >= self.max_model_len:
-                return False
-            # The slots it needs (as the scheduler counts them, no lookahead): up to the pending token.
-            new_blocks += max(0, bm.blocks_for(seq.num_tokens) - len(seq.block_table))
-        return new_blocks <= bm.num_free_blocks
-
-    def _launch_copy(self, tokens: torch.Tensor) -> _InFlight:
-        """Start the device->host copy of a step's sampled tokens [S] int64."""
-        if self.device.type != "cuda":
-            return _InFlight(tokens=tokens, host=tokens, done=None)
-        self._token_host.reverse()  # the other buffer: the previous step's may still be unread
-        host = self._token_host[0][: tokens.numel()]
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _InFlight(tokens=tokens, host=host, done=done)
-
-    def _leave_in_flight(self, sched: SchedulerOutput, flight: _InFlight) -> None:
-        """Advance sched's sequences past this step's inputs with a PENDING_TOKEN each (sequences
-        that finished while it was launched keep nothing) and remember the step as in flight."""
-        for row, seq in enumerate(sched.seqs):
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens += sched.num_new_tokens[row]  # blocks are cached when committed
-            seq.token_ids.append(PENDING_TOKEN)
-            flight.pending.append((row, seq))
-        self._in_flight = flight
+        it = iter(tokens.tolist() if tokens is not None else [])
+        changed = self.scheduler.postprocess(sched, [[next(it)] if m else [] for m in sample_mask])
+        return self._outputs(changed, finished_only)
 
     def _commit_in_flight(self, finished_only: bool) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens and commit them (one host sync)."""
         flight, self._in_flight = self._in_flight, None
         assert flight is not None
-        if flight.done is not None:
-            flight.done.synchronize()
-        tokens = flight.host.tolist()
-        outputs = []
-        for row, seq in flight.pending:
-            # A finished seq has no pending entry (abort_request drops it): never pop a real token.
-            if seq.is_finished:
-                continue
-            seq.token_ids.pop()  # PENDING_TOKEN
-            self.scheduler.commit(seq, [tokens[row]])
-            if seq.is_finished or not finished_only:
-                outputs.append(self.make_output(seq))
-        return outputs
+        tokens = TokenCopies.wait(flight)
+        changed = [
+            seq for row, seq in flight.pending
+            if not seq.is_finished and self.scheduler.commit_pending(seq, tokens[row])
+        ]  # fmt: skip
+        return self._outputs(changed, finished_only)
+
+    def _outputs(self, seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
+        return [self.make_output(s) for s in seqs if s.is_finished or not finished_only]
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         """Cumulative output of seq. reasoning_content / content are filled once it is finished
@@ -491,8 +246,6 @@ class LLMEngine:
     @staticmethod
     def error_output(request_id: str, prompt: str | None, token_ids: list[int], error: str) -> RequestOutput:
         """The output of a request that failed before it ran (finish_reason "error")."""
-        import time
-
         now = time.monotonic()
         return RequestOutput(
             request_id=request_id,

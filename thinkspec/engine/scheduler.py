@@ -19,7 +19,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.sequence import Sequence, SequenceStatus, commit_token
+from thinkspec.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, commit_token
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one step did to one scheduled sequence; Scheduler.commit is the one place that applies it."""
+
+    token_ids: list[int]  # tokens to commit (empty for a mid-prompt chunk)
+    num_computed_tokens: int  # leading tokens whose target K/V is now valid
+    num_draft_computed_tokens: int | None = None  # the draft model's, when there is one
+    thinking: bool | None = None  # the reasoning phase after token_ids, when it is tracked
 
 
 @dataclass(slots=True)
@@ -29,6 +39,13 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def plain_outcomes(self, token_ids: Seq[Seq[int]]) -> list[StepOutcome]:
+        """Outcomes of a plain step: every fed token's K/V is written; token_ids[i] are seqs[i]'s."""
+        return [
+            StepOutcome(list(ids), seq.num_computed_tokens + n)
+            for seq, n, ids in zip(self.seqs, self.num_new_tokens, token_ids)
+        ]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,9 +89,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
         """Pick this step's batch and reserve its KV slots.
 
@@ -116,6 +130,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate(seq, need, hits)
+            seq.num_computed_tokens = seq.num_draft_computed_tokens = num_computed
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()
                 seq.metrics.num_cached_tokens = seq.num_cached_tokens
@@ -127,38 +142,87 @@ class Scheduler:
         return out
 
     def postprocess(self, out: SchedulerOutput, token_ids: Seq[Seq[int]]) -> list[Sequence]:
-        """Advance KV pointers by this step's tokens, commit sampled tokens, free finished sequences.
+        """Commit a plain step: token_ids[i] are the tokens for out.seqs[i] (empty mid-prompt)."""
+        return self.apply(out, out.plain_outcomes(token_ids))
 
-        token_ids[i] are the tokens to commit for out.seqs[i] (empty for a mid-prompt chunk).
-        Returns the sequences that got tokens or finished, in batch order.
-        """
+    def apply(self, out: SchedulerOutput, outcomes: Seq[StepOutcome]) -> list[Sequence]:
+        """Commit each scheduled sequence's outcome; returns those that got tokens or finished, in
+        batch order."""
         changed: list[Sequence] = []
-        for seq, num_new, new_ids in zip(out.seqs, out.num_new_tokens, token_ids):
-            if seq.is_finished:  # aborted between schedule() and postprocess()
+        for seq, outcome in zip(out.seqs, outcomes):
+            if seq.is_finished:  # aborted between schedule() and now
                 continue
-            seq.num_computed_tokens += num_new
-            if self.commit(seq, new_ids):
+            if self.commit(seq, outcome):
                 changed.append(seq)
         return changed
 
-    def commit(self, seq: Sequence, token_ids: Seq[int]) -> bool:
-        """Commit generated tokens to a running seq until one finishes it, offer its full blocks to
-        the prefix cache, and free its blocks if it finished. Returns whether seq got a token or
-        finished."""
-        for token_id in token_ids:
+    def commit(self, seq: Sequence, outcome: StepOutcome) -> bool:
+        """Apply one step's outcome to a running seq: its K/V pointers and phase, then its tokens until
+        one finishes it; offer its full blocks to the prefix cache, free them if it finished. Returns
+        whether seq got a token or finished. The only writer of these fields after admission."""
+        seq.num_computed_tokens = outcome.num_computed_tokens
+        if outcome.num_draft_computed_tokens is not None:
+            seq.num_draft_computed_tokens = outcome.num_draft_computed_tokens
+        if outcome.thinking is not None:
+            seq.thinking = outcome.thinking
+        for token_id in outcome.token_ids:
             if commit_token(seq, token_id, max_model_len=self.max_model_len, tokenizer=self.tokenizer):
                 break
         # After the tokens are appended: a block is hashed over the tokens its K/V was written for.
         self.block_manager.cache_blocks(seq)
         if seq.is_finished:
             self._free(seq)
-        return bool(token_ids) or seq.is_finished
+        return bool(outcome.token_ids) or seq.is_finished
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a request with reason "abort" and free its blocks; None if it is unknown or done."""
+    # ---- async scheduling: a plain step whose tokens reach the host one step later ---------------
+
+    def launch_pending(self, out: SchedulerOutput) -> list[tuple[int, Sequence]]:
+        """Advance out's sequences past the step's inputs and give each a PENDING_TOKEN, so the next
+        schedule() feeds that position; returns (batch row, seq) of those still running."""
+        pending = []
+        for row, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += n  # blocks are offered to the cache when the token commits
+            seq.token_ids.append(PENDING_TOKEN)
+            pending.append((row, seq))
+        return pending
+
+    def commit_pending(self, seq: Sequence, token_id: int) -> bool:
+        """Replace seq's PENDING_TOKEN by the sampled token_id and commit it (see commit)."""
+        if seq.token_ids.pop() != PENDING_TOKEN:
+            raise RuntimeError(f"request {seq.request_id!r} has no pending token")
+        return self.commit(seq, StepOutcome([token_id], seq.num_computed_tokens))
+
+    def can_run_ahead(self, pending: Seq[Sequence]) -> bool:
+        """Whether the next step may launch before pending's tokens commit: it must decode exactly
+        those sequences, none of which can finish by length with its pending token (those are known
+        finished), with no preemption for KV blocks."""
+        if self.waiting or not self.running or len(self.running) > self.max_num_batched_tokens:
+            return False
+        ids = {id(seq) for seq in pending}
+        bm = self.block_manager
+        new_blocks = 0
+        for seq in self.running:
+            if id(seq) not in ids or seq.num_tokens - seq.num_computed_tokens != 1:
+                return False
+            max_tokens = seq.sampling_params.max_tokens
+            if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
+                seq.num_tokens >= self.max_model_len
+            ):
+                return False
+            need = self._slots_needed(seq, seq.num_computed_tokens, 1, 0)
+            new_blocks += max(0, bm.blocks_for(need) - len(seq.block_table))
+        return new_blocks <= bm.num_free_blocks
+
+    def abort(self, request_id: str, drop_pending: bool = False) -> Sequence | None:
+        """Finish a request with reason "abort" and free its blocks; None if it is unknown or done.
+        drop_pending: it has a PENDING_TOKEN (async scheduling), which is dropped with it."""
         seq = self.requests.get(request_id)
         if seq is None:
             return None
+        if drop_pending and seq.token_ids[-1] == PENDING_TOKEN:
+            seq.token_ids.pop()
         seq.finish("abort")
         self._free(seq)
         return seq

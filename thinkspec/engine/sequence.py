@@ -14,6 +14,8 @@ from thinkspec.outputs import RequestMetrics
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.utils import detokenize_incrementally, initial_detokenize_offsets
 
+PENDING_TOKEN = -1  # stands for a sampled token still on its way to the host (never an input)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -48,7 +50,7 @@ class Sequence:
     output_text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    error: str | None = None
+    error: str | None = None  # why it finished with "error"
     prefix_offset: int = 0  # incremental detokenization window into token_ids
     read_offset: int = 0
     # Speculative decoding: tokens whose K/V the draft model holds (never more than the target's),

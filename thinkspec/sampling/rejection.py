@@ -30,6 +30,7 @@ import os
 import torch
 
 from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, check_values
+from thinkspec.sampling.sampler import exponential_race, mix_seed
 
 __all__ = ["RejectionResult", "rejection_sample", "rejection_sample_reference"]
 
@@ -77,14 +78,6 @@ def rejection_sample(
     )  # fmt: skip
 
 
-def _stream_seed(seed: int, seed_offset: int) -> int:
-    # splitmix64-style mix so nearby (seed, offset) pairs give unrelated streams
-    z = (seed * 0x9E3779B97F4A7C15 + seed_offset * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 64)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
 def _draw_randoms(
     b: int, k: int, v: int, device: torch.device, generator: torch.Generator | None,
     seeds: torch.Tensor | None, seed_offset: int,
@@ -97,7 +90,7 @@ def _draw_randoms(
         u = torch.empty(b, k, device=device)
         e = torch.empty(b, v, device=device)
         for i, s in enumerate(seeds.tolist()):
-            gen = torch.Generator(device=device).manual_seed(_stream_seed(s, seed_offset))
+            gen = torch.Generator(device=device).manual_seed(mix_seed(s, seed_offset))
             u[i] = torch.rand(k, device=device, generator=gen)
             e[i] = torch.empty(v, device=device).exponential_(generator=gen)
     return u, e.clamp_min(torch.finfo(torch.float32).tiny)
@@ -145,17 +138,9 @@ def rejection_sample_reference(
 
     d = draft_token_ids.long().clamp(0, v - 1)  # [B, K], padding clamped so gathers stay in range
     xd = x[:, :k].gather(-1, d[..., None]).squeeze(-1)  # [B, K]
-    rank = (x[:, :k] > xd[..., None]).sum(-1)  # [B, K]
     pd = torch.exp(xd - lse[:, :k])  # [B, K]
-    pmax = torch.exp(x_max[:, :k] - lse[:, :k])  # [B, K]
-    delta = relax_delta.float()[:, None]  # [B, 1]
-    relaxed = (
-        relax_mask
-        & (xd > float("-inf"))
-        & (rank < relax_top_k[:, None])
-        & (torch.exp(xd - x_max[:, :k]) >= relax_ratio.float()[:, None])
-        & (delta.isnan() | (pmax - pd <= delta))
-    )  # [B, K]
+    relax_args = (relax_top_k, relax_ratio, relax_delta)
+    relaxed = relax_mask & _relaxed_test(x[:, :k], xd, x_max[:, :k], lse[:, :k], *relax_args)  # [B, K]
 
     strict = d == g[:, :k]  # [B, K]
     u, e = _draw_randoms(b, k, v, dev, generator, seeds, seed_offset)  # [B, K], [B, V]
@@ -177,24 +162,56 @@ def rejection_sample_reference(
     j = num_accepted  # [B]
     emitted = g.gather(1, j[:, None])[:, 0]  # [B]
     if not bool(greedy.all()):
-        xj = x.gather(1, j[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
-        pj = torch.softmax(xj, -1)  # [B, V]
-        rejected = (j < n)[:, None]  # [B, 1]
-        jc = j.clamp_max(max(k - 1, 0))  # [B], row K (bonus) has no draft; its q is unused
-        if k == 0:
-            qj = torch.zeros_like(pj)
-        elif draft_probs is None:
-            qj = torch.zeros_like(pj).scatter_(1, d.gather(1, jc[:, None]), 1.0)  # [B, V]
-        else:
-            qj = draft_probs.float().gather(1, jc[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
-        r = torch.where(rejected, (pj - qj).clamp_min(0), pj)  # [B, V]
-        # p == q up to rounding leaves no residual mass; p is then the exact answer.
-        r = torch.where(r.sum(-1, keepdim=True) > 0, r, pj)
-        # Exponential race: argmax r / E with E ~ Exp(1) samples normalize(r).
-        sampled = (r / e).argmax(-1)  # [B]
-        emitted = torch.where(greedy, emitted, sampled)
+        emitted = torch.where(greedy, emitted, _sample_emitted(x, j, n, d, draft_probs, e))
 
     out = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
     out[:, :k] = torch.where(in_run, draft_token_ids.long(), -1)
     out.scatter_(1, j[:, None], emitted[:, None])
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted, relaxed_accepted=relaxed_accepted)
+
+
+def _relaxed_test(
+    x: torch.Tensor,  # [B, K, V] float32 logits of the draft rows
+    xd: torch.Tensor,  # [B, K] the draft tokens' logits
+    x_max: torch.Tensor,  # [B, K]
+    lse: torch.Tensor,  # [B, K] logsumexp of each row
+    relax_top_k: torch.Tensor,  # [B] int
+    relax_ratio: torch.Tensor,  # [B] float
+    relax_delta: torch.Tensor,  # [B] float, NaN = unset
+) -> torch.Tensor:
+    """[B, K] bool: p(d) > 0, rank(d) < top_k, p(d) >= ratio * p_max and, when set, p_max - p(d) <= delta."""
+    rank = (x > xd[..., None]).sum(-1)  # [B, K]
+    pd = torch.exp(xd - lse)
+    pmax = torch.exp(x_max - lse)
+    delta = relax_delta.float()[:, None]  # [B, 1]
+    return (
+        (xd > float("-inf"))
+        & (rank < relax_top_k[:, None])
+        & (torch.exp(xd - x_max) >= relax_ratio.float()[:, None])
+        & (delta.isnan() | (pmax - pd <= delta))
+    )
+
+
+def _sample_emitted(
+    x: torch.Tensor,  # [B, K+1, V] float32 scaled logits
+    j: torch.Tensor,  # [B] int64 row that emits (= accepted drafts)
+    n: torch.Tensor,  # [B] int64 drafts per request
+    d: torch.Tensor,  # [B, K] int64 drafts, padding clamped into the vocabulary
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32 or None (one-hot drafts)
+    e: torch.Tensor,  # [B, V] float32 Exp(1) draws
+) -> torch.Tensor:
+    """[B] int64: a sample of normalize(max(0, p - q)) where row j rejected its draft, of p where j
+    is the bonus row."""
+    b, k, v = x.shape[0], d.shape[1], x.shape[-1]
+    pj = torch.softmax(x.gather(1, j[:, None, None].expand(b, 1, v))[:, 0], -1)  # [B, V]
+    jc = j.clamp_max(max(k - 1, 0))  # [B], row K (bonus) has no draft; its q is unused
+    if k == 0:
+        qj = torch.zeros_like(pj)
+    elif draft_probs is None:
+        qj = torch.zeros_like(pj).scatter_(1, d.gather(1, jc[:, None]), 1.0)  # [B, V]
+    else:
+        qj = draft_probs.float().gather(1, jc[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
+    r = torch.where((j < n)[:, None], (pj - qj).clamp_min(0), pj)  # [B, V]
+    # p == q up to rounding leaves no residual mass; p is then the exact answer.
+    r = torch.where(r.sum(-1, keepdim=True) > 0, r, pj)
+    return exponential_race(r.log(), e)

@@ -113,6 +113,31 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The one logits pipeline of sampled rows: / temperature, then top-k, top-p, min-p (-inf outside).
+
+    logits [N, V] float32 -> [N, V] float32 (a new tensor); greedy rows come back unchanged, as the
+    relaxed acceptance test reads their raw logits. Used by the sampler, the draft proposer and the
+    verifier alike.
+    """
+    if t.all_greedy:
+        return logits
+    scaled = apply_temperature(logits.float(), t.temperature)
+    filtered = apply_top_k_top_p_min_p(
+        scaled,
+        t.top_k if t.any_top_k else None,
+        t.top_p if t.any_top_p else None,
+        t.min_p if t.any_min_p else None,
+    )
+    return torch.where(t.greedy.unsqueeze(1), logits, filtered)
+
+
+def exponential_race(log_weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """log_weights [N, V] (unnormalised, -inf = excluded), noise [N, V] Exp(1) > 0 -> [N] int64:
+    argmax(log w - log E), an exact draw from normalize(w) (the Gumbel-max trick)."""
+    return (log_weights - noise.log()).argmax(dim=-1)
+
+
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] int64, argmax with the lowest index on ties."""
     return logits.argmax(dim=-1)
@@ -146,16 +171,9 @@ class Sampler:
         t = tensors or SamplingTensors.from_params(params, logits.device)
         if t.all_greedy:
             return greedy_tokens
-        scaled = apply_temperature(logits.float(), t.temperature)
-        filtered = apply_top_k_top_p_min_p(
-            scaled,
-            t.top_k if t.any_top_k else None,
-            t.top_p if t.any_top_p else None,
-            t.min_p if t.any_min_p else None,
-        )
+        filtered = process_logits(logits, t)
         noise = self.exponential_noise(filtered.shape, params, positions, filtered.device)
-        sampled = (filtered - noise.log()).argmax(dim=-1)
-        return torch.where(t.greedy, greedy_tokens, sampled)
+        return torch.where(t.greedy, greedy_tokens, exponential_race(filtered, noise))
 
     def exponential_noise(
         self,

@@ -3,7 +3,8 @@
 KV bookkeeping: `seq.num_draft_computed_tokens` counts the tokens whose draft K/V is written; it is
 never more than the target's `num_computed_tokens`, and `min(draft, target)` is where the draft
 resumes, so preemption, prefix-cache hits and rejected drafts need no extra work: stale slots are
-overwritten by the next forward (rollback = moving the pointer back).
+overwritten by the next forward (rollback = moving the pointer back). The proposer reports the
+pointer its forwards reached (Proposal.draft_computed); the step's commit writes it.
 
 One round for the decode sequences S of a step, each with n_b <= k drafts allowed:
   forward 1  every scheduled sequence feeds the tokens the draft has not seen yet (prefill chunks
@@ -15,25 +16,26 @@ One round for the decode sequences S of a step, each with n_b <= k drafts allowe
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from thinkspec.engine.model_runner import ModelRunner
-from thinkspec.engine.sequence import Sequence
 from thinkspec.models.loader import ModelInfo
-from thinkspec.sampling.sampler import (
-    Sampler,
-    SamplingTensors,
-    apply_temperature,
-    apply_top_k_top_p_min_p,
-)
+from thinkspec.sampling.sampler import Sampler, SamplingTensors, exponential_race, process_logits
+from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal
+
+if TYPE_CHECKING:
+    from thinkspec.engine.model_runner import ModelRunner
+    from thinkspec.engine.sequence import Sequence
+    from thinkspec.sampling_params import SamplingParams
 
 # Draft noise for a seeded request is keyed apart from the target's own sampling positions.
 _DRAFT_NOISE_POSITION = 1 << 40
 
 
 class DraftModelProposer:
+    """Proposes with a small model run by its own ModelRunner (the only thing it calls)."""
+
     def __init__(self, runner: ModelRunner, sampler: Sampler, k: int, vocab_size: int) -> None:
         self.runner = runner
         self.sampler = sampler
@@ -46,53 +48,27 @@ class DraftModelProposer:
         seqs: Seq[Sequence],
         num_new_tokens: Seq[int],
         spec_index: Seq[int],
-        num_drafts: Seq[int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the draft over this step's batch and propose for the decode sequences.
-
-        seqs / num_new_tokens: the scheduled batch; spec_index[b]: position in seqs of decode
-        sequence b; num_drafts[b]: drafts wanted from it (0 allowed).
-        Returns draft_token_ids [S, k] int64 (-1 padded) and draft_probs [S, k, V] float32 for the
-        sampled rows (None when every row is greedy).
-        """
+        max_drafts: Seq[int],
+    ) -> Proposal:
+        """Run the draft over this step's batch and propose max_drafts[b] tokens for each speculating
+        sequence b (see proposer.Proposal for what comes back)."""
         num_spec = len(spec_index)
-        drafts = torch.full((num_spec, self.k), -1, dtype=torch.long, device=self.device)
-        spec_of = {i: b for b, i in enumerate(spec_index)}
+        drafts = torch.full((num_spec, self.k), NO_DRAFT, dtype=torch.long, device=self.device)
         params = [seqs[i].sampling_params for i in spec_index]
-        any_sampled = any(not p.is_greedy for p in params)
-        probs = (
-            torch.zeros(num_spec, self.k, self.vocab_size, dtype=torch.float32, device=self.device)
-            if any_sampled
-            else None
-        )
-
-        # Forward 1: catch up / mirror prefill; logits for decode sequences that want drafts.
-        f_seqs: list[Sequence] = []
-        f_num: list[int] = []
-        f_start: list[int] = []
-        f_logits: list[int] = []
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
-            start = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-            b = spec_of.get(i)
-            end = seq.num_tokens if b is not None else seq.num_computed_tokens + n
-            want = int(b is not None and num_drafts[b] > 0)
-            if end <= start:
-                continue
-            f_seqs.append(seq)
-            f_num.append(end - start)
-            f_start.append(start)
-            f_logits.append(want)
-            seq.num_draft_computed_tokens = end
-        if not f_seqs:
-            return drafts, probs
-        active = [b for b in range(num_spec) if num_drafts[b] > 0]
-        logits = self.runner.execute_model(f_seqs, f_num, f_logits, start_positions=f_start)
-        for j in range(max((num_drafts[b] for b in active), default=0)):
-            rows = [b for b in active if num_drafts[b] > j]
-            if j > 0:
-                # Feed draft token j (from position j-1) at position num_tokens - 1 + j.
-                row_seqs = [seqs[spec_index[b]] for b in rows]
-                rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        probs = None
+        if any(not p.is_greedy for p in params):
+            probs = torch.zeros(num_spec, self.k, self.vocab_size, dtype=torch.float32, device=self.device)
+        computed = [min(s.num_draft_computed_tokens, s.num_computed_tokens) for s in seqs]
+        proposal = Proposal(drafts, list(max_drafts), probs, draft_computed=computed)
+        logits = self._catch_up(seqs, num_new_tokens, spec_index, max_drafts, computed)
+        if logits is None:
+            return proposal
+        active = [b for b in range(num_spec) if max_drafts[b] > 0]
+        for j in range(max((max_drafts[b] for b in active), default=0)):
+            rows = [b for b in active if max_drafts[b] > j]
+            rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            row_seqs = [seqs[spec_index[b]] for b in rows]
+            if j > 0:  # feed draft token j (made at step j-1) at position num_tokens - 1 + j
                 logits = self.runner.execute_model(
                     row_seqs,
                     [1] * len(rows),
@@ -101,22 +77,45 @@ class DraftModelProposer:
                     start_positions=[s.num_tokens - 1 + j for s in row_seqs],
                     device_tokens=(torch.arange(len(rows), device=self.device), drafts[rows_t, j - 1]),
                 )
-                for s in row_seqs:
-                    s.num_draft_computed_tokens = s.num_tokens + j
-            else:
-                rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            tokens, q = self._sample(
-                logits, [params[b] for b in rows], [seqs[spec_index[b]] for b in rows], j
-            )
+                for b in rows:
+                    computed[spec_index[b]] = seqs[spec_index[b]].num_tokens + j
+            tokens, q = self._sample(logits, [params[b] for b in rows], row_seqs, j)
             drafts[rows_t, j] = tokens
             if probs is not None and q is not None:
                 probs[rows_t, j] = q
-        return drafts, probs
+        return proposal
+
+    def _catch_up(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        spec_index: Seq[int],
+        max_drafts: Seq[int],
+        computed: list[int],
+    ) -> torch.Tensor | None:
+        """Forward 1: every sequence feeds the tokens the draft has not seen (prefill chunks mirror the
+        target's, decodes catch up through their last token); logits [R, V] float32 of the speculating
+        rows that want drafts, in spec order (None when nothing ran). Updates computed in place."""
+        spec_of = {i: b for b, i in enumerate(spec_index)}
+        f_seqs, f_num, f_start, f_logits = [], [], [], []
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            b = spec_of.get(i)
+            end = seq.num_tokens if b is not None else seq.num_computed_tokens + n
+            if end <= computed[i]:
+                continue
+            f_seqs.append(seq)
+            f_num.append(end - computed[i])
+            f_start.append(computed[i])
+            f_logits.append(int(b is not None and max_drafts[b] > 0))
+            computed[i] = end
+        if not f_seqs:
+            return None
+        return self.runner.execute_model(f_seqs, f_num, f_logits, start_positions=f_start)
 
     def _sample(
         self,
         logits: torch.Tensor,  # [R, V] float32
-        params: list,
+        params: list[SamplingParams],
         seqs: list[Sequence],
         j: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,18 +124,11 @@ class DraftModelProposer:
         if all(p.is_greedy for p in params):
             return greedy, None
         t = SamplingTensors.from_params(params, logits.device)
-        scaled = apply_temperature(logits, t.temperature)
-        filtered = apply_top_k_top_p_min_p(
-            scaled,
-            t.top_k if t.any_top_k else None,
-            t.top_p if t.any_top_p else None,
-            t.min_p if t.any_min_p else None,
-        )
+        filtered = process_logits(logits, t)
         positions = [_DRAFT_NOISE_POSITION + s.num_output_tokens + j for s in seqs]
         noise = self.sampler.exponential_noise(filtered.shape, params, positions, filtered.device)
-        sampled = (filtered - noise.log()).argmax(dim=-1)
-        q = torch.softmax(filtered, dim=-1)
-        return torch.where(t.greedy, greedy, sampled), q
+        tokens = torch.where(t.greedy, greedy, exponential_race(filtered, noise))
+        return tokens, torch.softmax(filtered, dim=-1)
 
 
 def check_draft_compatible(target_tokenizer: Any, target_info: ModelInfo, draft_info: ModelInfo) -> None:

@@ -8,7 +8,16 @@ tokens that followed that occurrence. Everything is batched tensor work: one unf
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
+
+from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal
+
+if TYPE_CHECKING:
+    from thinkspec.engine.sequence import Sequence
 
 
 def ngram_propose(
@@ -56,3 +65,32 @@ def ngram_propose(
     drafts = torch.where(valid, token_ids[rows.unsqueeze(1), src], drafts)
     num_drafts = avail
     return drafts, num_drafts
+
+
+class NgramProposer:
+    """Prompt lookup over each speculating sequence's own tokens, on the host where the tokens live."""
+
+    def __init__(self, k: int, min_n: int, max_n: int, device: torch.device) -> None:
+        self.k, self.min_n, self.max_n, self.device = k, min_n, max_n, device
+
+    def propose(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        spec_index: Seq[int],
+        max_drafts: Seq[int],
+    ) -> Proposal:
+        if not spec_index:
+            return Proposal(torch.empty(0, self.k, dtype=torch.long, device=self.device), [])
+        rows = [seqs[i] for i in spec_index]
+        tokens = np.full((len(rows), max(s.num_tokens for s in rows)), NO_DRAFT, dtype=np.int64)
+        for b, s in enumerate(rows):
+            tokens[b, : s.num_tokens] = s.token_ids
+        lens = torch.tensor([s.num_tokens for s in rows], dtype=torch.long)
+        drafts, num = ngram_propose(torch.from_numpy(tokens), lens, self.k, self.min_n, self.max_n)
+        num_drafts = [min(int(n), cap) for n, cap in zip(num.tolist(), max_drafts)]
+        host = [drafts[b, :n].tolist() for b, n in enumerate(num_drafts)]
+        padded = torch.full((len(rows), self.k), NO_DRAFT, dtype=torch.long)
+        for b, row in enumerate(host):
+            padded[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return Proposal(padded.to(self.device, non_blocking=True), num_drafts, host_drafts=host)

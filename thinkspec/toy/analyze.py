@@ -7,7 +7,7 @@ cache), which is simple and exact. It reports what the engine's quality gates ne
 - the fork fraction: share of thinking tokens where the target's top-1 probability is < 0.5;
 - strict thinking-phase mean acceptance length of the draft at k (teacher-forced on the target's
   greedy trajectory, which is exact for greedy strict verification);
-- relaxed acceptance (DESIGN.md's greedy relaxed rule, thinking phase only, protected tokens
+- relaxed acceptance (the greedy relaxed rule of docs/ACCEPTANCE.md, thinking phase only, protected tokens
   never relaxed), simulated round by round along the path the accepted drafts take, with the
   accuracy of the answers that path produces;
 - draft/target top-1 agreement on reference traces, split into the data's wording forks and the

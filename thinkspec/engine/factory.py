@@ -1,0 +1,250 @@
+"""Building an engine's parts from EngineArgs: models, tokenizer, KV sizing, runners, scheduler.
+
+Order matters on a GPU: both models are loaded (their weights count) and the CUDA-graph memory is
+measured before the KV pool takes what gpu_memory_utilization leaves (see model_runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from thinkspec.engine.block_manager import BlockManager
+from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
+from thinkspec.engine.model_runner import (
+    ModelRunner,
+    determine_kv_cache_memory,
+    kv_cache_bytes_per_block,
+    measure_cuda_graph_memory,
+    use_triton_kernels,
+)
+from thinkspec.engine.scheduler import Scheduler
+from thinkspec.engine.speculator import Speculator
+from thinkspec.engine_args import EngineArgs
+from thinkspec.models.loader import ModelInfo, load_model
+from thinkspec.reasoning.parsers import ResolvedReasoning
+from thinkspec.sampling.sampler import Sampler
+from thinkspec.spec_decode.draft_model import check_draft_compatible
+from thinkspec.utils import logger, resolve_device
+
+# Query widths the runners replay as graphs. The target: decode 1, verify windows 1 + drafts
+# (<= k+1; 2 for a single draft); the draft: its catch-up forward 1 or 2, its per-token steps 1.
+DRAFT_GRAPH_WIDTHS = (1, 2)
+
+
+def target_graph_widths(k: int) -> tuple[int, ...]:
+    return (1,) if not k else tuple(sorted({1, 2, k + 1}))
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend an attention_backend setting means on device: "auto" is "triton" on CUDA and
+    "torch" elsewhere; "torch" and "triton" stand for themselves."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+@dataclass(slots=True)
+class Models:
+    """The loaded models, tokenizer and what follows from them."""
+
+    device: torch.device
+    model: nn.Module
+    info: ModelInfo
+    tokenizer: Any | None
+    eos_token_ids: frozenset[int]
+    draft_model: nn.Module | None
+    draft_info: ModelInfo | None
+    attention_backend: str
+    use_cuda_graphs: bool
+    bytes_per_block: int  # K/V of one block across the target's layers plus the draft's
+    lookahead: int  # drafts per step (0 without speculation)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything LLMEngine runs on."""
+
+    models: Models
+    configured_len: int  # max_model_len as set, else the model's max_position_embeddings
+    max_model_len: int  # what a request may reach: configured_len capped by the KV pool
+    kv_capacity_tokens: int
+    num_blocks: int
+    graph_memory_bytes: int
+    model_runner: ModelRunner
+    block_manager: BlockManager
+    scheduler: Scheduler
+    sampler: Sampler
+    reasoning: ResolvedReasoning | None
+    speculator: Speculator | None
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    models = load_models(args)
+    info = models.info
+    if args.max_model_len is not None and args.max_model_len > info.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings "
+            f"({info.max_position_embeddings})"
+        )
+    configured_len = args.max_model_len or info.max_position_embeddings
+    graph_memory = 0
+    if models.use_cuda_graphs and args.kv_cache_memory is None:
+        graph_memory = _measure_graph_memory(args, models, configured_len)
+    num_blocks = _num_kv_blocks(args, models, configured_len, graph_memory)
+    kv_capacity = num_blocks * args.block_size
+    max_model_len = min(configured_len, kv_capacity)
+    if args.max_model_len is not None and args.max_model_len > kv_capacity:
+        logger.warning(
+            "max_model_len=%d exceeds the KV cache capacity of %d tokens; requests are capped there",
+            args.max_model_len, kv_capacity,
+        )  # fmt: skip
+    pool = torch.cuda.graph_pool_handle() if models.use_cuda_graphs else None  # shared by all graphs
+    runner = ModelRunner.for_model(
+        models.model, info, num_blocks=num_blocks, block_size=args.block_size, device=models.device,
+        graphs=graph_spec(args, models, target_graph_widths(models.lookahead), max_model_len, pool),
+    )  # fmt: skip
+    block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+    scheduler = Scheduler(
+        block_manager, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, tokenizer=models.tokenizer,
+    )  # fmt: skip
+    sampler = Sampler(args.seed, models.device)
+    reasoning = _resolve_reasoning(args, models)
+    speculator = None
+    if args.speculative_config is not None:
+        sizes = (num_blocks, max_model_len)
+        speculator = _build_speculator(args, models, runner, sampler, reasoning, *sizes, pool)
+    return EngineParts(
+        models, configured_len, max_model_len, kv_capacity, num_blocks, graph_memory, runner, block_manager,
+        scheduler, sampler, reasoning, speculator,
+    )  # fmt: skip
+
+
+def load_models(args: EngineArgs) -> Models:
+    """Target, tokenizer and draft (loaded before KV sizing: its weights count), with their kernels."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(args.device)
+    model, info = load_model(args.model, args.dtype, device, args.load_format)
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(info.path))
+    eos = list(info.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in eos:
+        eos.append(tok_eos)
+    bytes_per_block = kv_cache_bytes_per_block(
+        info.num_layers, args.block_size, info.num_kv_heads, info.head_dim, info.dtype
+    )
+    spec = args.speculative_config
+    draft_model = draft_info = None
+    if spec is not None and spec.method == "draft_model":
+        assert spec.model is not None
+        draft_model, draft_info = load_model(spec.model, info.dtype, device, args.load_format)
+        check_draft_compatible(tokenizer, info, draft_info)
+        d = draft_info
+        # Both pools share the block tables, so one block costs the sum of the two.
+        bytes_per_block += kv_cache_bytes_per_block(
+            d.num_layers, args.block_size, d.num_kv_heads, d.head_dim, d.dtype
+        )
+    backend = resolve_attention_backend(args.attention_backend, device)
+    if backend == "triton":
+        for m in (m for m in (model, draft_model) if m is not None):
+            use_triton_kernels(m)
+    return Models(
+        device=device, model=model, info=info, tokenizer=tokenizer, eos_token_ids=frozenset(eos),
+        draft_model=draft_model, draft_info=draft_info, attention_backend=backend,
+        use_cuda_graphs=device.type == "cuda" and not args.enforce_eager and backend == "triton",
+        bytes_per_block=bytes_per_block,
+        lookahead=(spec.num_speculative_tokens or 0) if spec is not None else 0,
+    )  # fmt: skip
+
+
+def graph_spec(
+    args: EngineArgs, models: Models, widths: tuple[int, ...], max_model_len: int, pool: object
+) -> GraphSpec | None:
+    """What a runner captures (None: no graphs): widths x buckets up to max_num_seqs, block tables
+    wide enough for max_model_len plus the speculative lookahead slots."""
+    if not models.use_cuda_graphs:
+        return None
+    return GraphSpec(
+        query_widths=widths,
+        batch_sizes=graph_batch_sizes(args.max_num_seqs),
+        max_model_len=max_model_len,
+        max_blocks_per_seq=-(-(max_model_len + models.lookahead) // args.block_size),
+        pool=pool,
+    )
+
+
+def _measure_graph_memory(args: EngineArgs, models: Models, configured_len: int) -> int:
+    # In the order the runners first capture: a speculative step runs the draft first.
+    target = graph_spec(args, models, target_graph_widths(models.lookahead), configured_len, None)
+    probe = [(models.model, models.info, target)]
+    if models.draft_model is not None:
+        draft = graph_spec(args, models, DRAFT_GRAPH_WIDTHS, configured_len, None)
+        probe.insert(0, (models.draft_model, models.draft_info, draft))
+    return measure_cuda_graph_memory(probe, block_size=args.block_size, device=models.device)
+
+
+def _num_kv_blocks(args: EngineArgs, models: Models, configured_len: int, graph_memory: int) -> int:
+    kv_bytes = determine_kv_cache_memory(
+        models.model, device=models.device, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=configured_len, max_num_seqs=args.max_num_seqs, vocab_size=models.info.vocab_size,
+        reserved_bytes=graph_memory,
+    )  # fmt: skip
+    num_blocks = kv_bytes // models.bytes_per_block
+    # More blocks than every running sequence at full length twice over only feed the prefix
+    # cache, and the host bookkeeping grows with them (tiny models on big GPUs).
+    max_useful = 2 * args.max_num_seqs * -(-configured_len // args.block_size)
+    if num_blocks > max_useful and args.kv_cache_memory is None:
+        logger.info("KV pool capped at %d blocks (memory for %d)", max_useful, num_blocks)
+        num_blocks = max_useful
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={kv_bytes} bytes holds no KV block; one block of {args.block_size} "
+            f"tokens needs {models.bytes_per_block} bytes"
+        )
+    return num_blocks
+
+
+def _resolve_reasoning(args: EngineArgs, models: Models) -> ResolvedReasoning | None:
+    """Think markers and protected tokens; EOS ids are protected from relaxation too."""
+    protect = tuple(sorted(models.eos_token_ids))
+    spec = args.speculative_config
+    if spec is not None and spec.build_reasoning_parser() is not None:
+        return spec.resolve_reasoning(models.tokenizer, extra_protected_token_ids=protect)
+    if args.reasoning_parser is not None:
+        from thinkspec.reasoning import get_reasoning_parser
+
+        return get_reasoning_parser(args.reasoning_parser).resolve(
+            models.tokenizer, extra_protected_token_ids=protect
+        )
+    return None
+
+
+def _build_speculator(
+    args: EngineArgs,
+    models: Models,
+    target_runner: ModelRunner,
+    sampler: Sampler,
+    reasoning: ResolvedReasoning | None,
+    num_blocks: int,
+    max_model_len: int,
+    pool: object,
+) -> Speculator:
+    draft_runner = None
+    if models.draft_model is not None:
+        assert models.draft_info is not None
+        draft_runner = ModelRunner.for_model(
+            models.draft_model, models.draft_info, num_blocks=num_blocks, block_size=args.block_size,
+            device=models.device, graphs=graph_spec(args, models, DRAFT_GRAPH_WIDTHS, max_model_len, pool),
+        )  # fmt: skip
+    return Speculator(
+        args.speculative_config, target_runner=target_runner, draft_runner=draft_runner, reasoning=reasoning,
+        sampler=sampler, vocab_size=models.info.vocab_size, max_model_len=max_model_len, seed=args.seed,
+    )  # fmt: skip

@@ -1,0 +1,376 @@
+"""The engine's speculative step: propose, verify B x (k+1) positions in one target forward, accept.
+
+Stages of `Speculator.step`, in order:
+  propose        the proposer drafts up to k tokens for each decode sequence (Proposal)
+  build          VerifyBatch: what the target computes for every scheduled sequence
+  run target     one forward: prefill chunks and plain rows ride along with the verify windows
+  split logits   plain rows, and the windows padded to [S, k+1, V]
+  verify         relax mask from the phase tracker, then rejection_sample (sampling/rejection.py)
+  to host        one copy of everything the host needs (HostPack)
+  outcomes       a StepOutcome per scheduled sequence; Scheduler.postprocess commits them
+
+For a decode sequence with N committed tokens and n drafts d_1..d_n the target scores
+[t_{N-1}, d_1 .. d_n] at positions N-1 .. N-1+n; row i scores d_{i+1}, row n the bonus token. With a
+accepted drafts the sequence commits d_1..d_a plus the correction/bonus token and its K/V pointer
+moves to N + a: the slots of rejected drafts are overwritten later (no block churn).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from thinkspec.config import SpeculativeConfig
+from thinkspec.engine.model_runner import ModelRunner
+from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
+from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
+from thinkspec.reasoning.parsers import ResolvedReasoning
+from thinkspec.sampling.rejection import RejectionResult, rejection_sample
+from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
+from thinkspec.spec_decode.draft_model import DraftModelProposer
+from thinkspec.spec_decode.metrics import SpecDecodeMetrics
+from thinkspec.spec_decode.ngram import NgramProposer
+from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, Proposer
+
+_NO_STOP_ID = -2  # pads per-request stop-id lists; never equal to a draft (drafts are >= -1)
+
+
+@dataclass(slots=True)
+class VerifyBatch:
+    """The target forward of one speculative step, for the scheduled batch (M sequences, S speculating)."""
+
+    spec_index: list[int]  # [S] batch positions of the speculating sequences
+    num_drafts: list[int]  # [S] drafts each window verifies
+    num_new: list[int]  # [M] tokens each sequence feeds the target
+    num_logits: list[int]  # [M] logits rows each sequence wants
+    input_ids: list[list[int]]  # [M] host-side inputs (device-held drafts as 0 placeholders)
+    device_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (packed positions [D], draft ids [D])
+
+    @property
+    def spec_of(self) -> dict[int, int]:
+        return {i: b for b, i in enumerate(self.spec_index)}
+
+    def logits_rows(self, k: int) -> tuple[list[int], np.ndarray]:
+        """Rows of the target's logits: those of plain sampled sequences [P], and each window's
+        [S, k+1] (padded with the window's first row, never read as a decision)."""
+        spec_of = self.spec_of
+        plain: list[int] = []
+        windows = np.zeros((len(self.spec_index), k + 1), dtype=np.int64)
+        row = 0
+        for i, nl in enumerate(self.num_logits):
+            b = spec_of.get(i)
+            if b is None:
+                plain.extend(range(row, row + nl))
+            else:
+                windows[b, :nl] = np.arange(row, row + nl)
+                windows[b, nl:] = row
+            row += nl
+        return plain, windows
+
+
+@dataclass(slots=True)
+class HostPack:
+    """Everything a speculative step brings to the host, from one device->host copy."""
+
+    plain_tokens: list[int]  # [P] tokens sampled for plain rows
+    tokens: np.ndarray  # [S, k+1] accepted drafts then the emitted token, NO_DRAFT after
+    num_accepted: np.ndarray  # [S]
+    relaxed: np.ndarray  # [S, k] bool, accepted only by the relaxed test
+    thinking_before: np.ndarray  # [S, k] bool, the phase before each draft position
+    thinking_after: np.ndarray  # [S] bool, the phase after the committed tokens
+
+    @classmethod
+    def fetch(
+        cls,
+        plain: torch.Tensor | None,  # [P] int64
+        result: RejectionResult | None,
+        thinking_before: torch.Tensor | None,  # [S, k] bool
+        thinking_after: torch.Tensor | None,  # [S] bool
+        k: int,
+    ) -> HostPack:
+        parts = [plain] if plain is not None else []
+        if result is not None:
+            columns = [
+                result.output_token_ids,  # k + 1
+                result.num_accepted[:, None],  # 1
+                result.relaxed_accepted.long(),  # k
+                thinking_before.long(),  # k
+                thinking_after.long()[:, None],  # 1
+            ]
+            parts.append(torch.cat(columns, dim=1).flatten())
+        host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.int64)
+        num_plain = 0 if plain is None else plain.numel()
+        spec = host[num_plain:].reshape(-1, 3 * k + 3)
+        return cls(
+            plain_tokens=host[:num_plain].tolist(),
+            tokens=spec[:, : k + 1],
+            num_accepted=spec[:, k + 1],
+            relaxed=spec[:, k + 2 : 2 * k + 2].astype(bool),
+            thinking_before=spec[:, 2 * k + 2 : 3 * k + 2].astype(bool),
+            thinking_after=spec[:, 3 * k + 2].astype(bool),
+        )
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        target_runner: ModelRunner,
+        draft_runner: ModelRunner | None,
+        reasoning: ResolvedReasoning | None,
+        sampler: Sampler,
+        vocab_size: int,
+        max_model_len: int,
+        seed: int,
+    ) -> None:
+        if config.num_speculative_tokens is None:
+            raise ValueError("SpeculativeConfig.num_speculative_tokens is required to speculate")
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.target_runner = target_runner
+        self.device = target_runner.device
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tracker = reasoning.tracker() if reasoning is not None else None
+        self.proposer: Proposer
+        if draft_runner is not None:
+            self.proposer = DraftModelProposer(draft_runner, sampler, self.k, vocab_size)
+        else:
+            lookup = (config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
+            self.proposer = NgramProposer(self.k, *lookup, self.device)
+        self.has_draft_model = draft_runner is not None
+        self.metrics = SpecDecodeMetrics()
+        self.rng = np.random.default_rng(seed)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed + 1)
+
+    # ---- per-request settings ------------------------------------------------------------------
+
+    def relax_settings(self, seq: Sequence) -> tuple[bool, float, int, float]:
+        """(enabled, ratio, top_k, delta or NaN) for one request: its overrides, else the config."""
+        p, c = seq.sampling_params, self.config
+        enabled = c.relaxed_thinking if p.relaxed_thinking is None else p.relaxed_thinking
+        ratio = c.relax_ratio if p.relax_ratio is None else p.relax_ratio
+        top_k = c.relax_top_k if p.relax_top_k is None else p.relax_top_k
+        delta = c.relax_delta if p.relax_delta is None else p.relax_delta
+        return bool(enabled), float(ratio), int(top_k), math.nan if delta is None else float(delta)
+
+    def max_drafts_for(self, seq: Sequence) -> int:
+        """Drafts worth proposing: no more than the tokens the request may still emit, minus the bonus."""
+        p = seq.sampling_params
+        room = self.max_model_len - seq.num_tokens
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens)
+        return max(0, min(self.k, room - 1))
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, sched: SchedulerOutput) -> list[StepOutcome]:
+        """Run one speculative step over sched; one StepOutcome per scheduled sequence (batch order)."""
+        seqs, num_new = sched.seqs, sched.num_new_tokens
+        sample_mask = sched.sample_mask()
+        # Decodes speculate; a request's first output token is always sampled plainly (whether its
+        # prompt came from the cache or not), so seeded outputs do not depend on the schedule.
+        spec_index = [
+            i
+            for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
+            if m and n == 1 and seq.num_output_tokens > 0
+        ]
+        max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
+        proposal = self.proposer.propose(seqs, num_new, spec_index, max_drafts)
+        batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal)
+        logits = self.target_runner.execute_model(
+            seqs, batch.num_new, batch.num_logits, input_token_ids=batch.input_ids,
+            device_tokens=batch.device_tokens,
+        )  # fmt: skip  # [N, V] float32
+        plain_rows, windows = batch.logits_rows(self.k)
+        spec_of = batch.spec_of
+        plain_seqs = [seqs[i] for i, m in enumerate(sample_mask) if m and i not in spec_of]
+        plain_tokens = self._sample_plain(logits, plain_rows, plain_seqs)
+        result = thinking_before = thinking_after = None
+        if spec_index:
+            target = logits[torch.from_numpy(windows).to(self.device, non_blocking=True)]  # [S, k+1, V]
+            spec_seqs = [seqs[i] for i in spec_index]
+            result, thinking_before, thinking_after = self._verify(spec_seqs, target, proposal)
+        host = HostPack.fetch(plain_tokens, result, thinking_before, thinking_after, self.k)
+        return self._outcomes(sched, sample_mask, batch, proposal, host)
+
+    # ---- stages --------------------------------------------------------------------------------
+
+    def _build_verify_batch(
+        self, sched: SchedulerOutput, sample_mask: list[bool], spec_index: list[int], proposal: Proposal
+    ) -> VerifyBatch:
+        """Inputs of the target forward: unchanged chunks for plain rows, [last token, drafts] windows
+        for speculating rows (drafts made on the device go in through device_tokens)."""
+        k = self.k
+        spec_of = {i: b for b, i in enumerate(spec_index)}
+        num_new, num_logits, input_ids = [], [], []
+        dev_pos: list[int] = []  # packed input positions that take a device-held draft
+        dev_src: list[int] = []  # flat index into draft_token_ids [S*k]
+        offset = 0
+        for i, (seq, n, m) in enumerate(zip(sched.seqs, sched.num_new_tokens, sample_mask)):
+            b = spec_of.get(i)
+            if b is None:
+                num_new.append(n)
+                num_logits.append(int(m))
+                input_ids.append(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+            else:
+                nd = proposal.num_drafts[b]
+                num_new.append(1 + nd)
+                num_logits.append(1 + nd)
+                if proposal.host_drafts is not None:
+                    input_ids.append([seq.last_token_id, *proposal.host_drafts[b]])
+                else:
+                    input_ids.append([seq.last_token_id] + [0] * nd)
+                    dev_pos.extend(range(offset + 1, offset + 1 + nd))
+                    dev_src.extend(range(b * k, b * k + nd))
+            offset += num_new[-1]
+        device_tokens = None
+        if dev_pos:
+            index = torch.tensor(dev_pos, dtype=torch.long).to(self.device, non_blocking=True)
+            src = torch.tensor(dev_src, dtype=torch.long).to(self.device, non_blocking=True)
+            device_tokens = (index, proposal.draft_token_ids.view(-1)[src])
+        return VerifyBatch(spec_index, proposal.num_drafts, num_new, num_logits, input_ids, device_tokens)
+
+    def _sample_plain(
+        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
+    ) -> torch.Tensor | None:
+        """Tokens [P] int64 for the plain sampled rows (prefills that end, first output tokens)."""
+        if not seqs:
+            return None
+        plain = logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        mask_stops_before_min_tokens(plain.unsqueeze(1), seqs)
+        return self.sampler(plain, [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs])
+
+    def _verify(
+        self,
+        seqs: list[Sequence],
+        target: torch.Tensor,  # [S, k+1, V] float32
+        proposal: Proposal,
+    ) -> tuple[RejectionResult, torch.Tensor, torch.Tensor]:
+        """rejection_sample plus the phase bookkeeping; returns (result, thinking_before [S, k] bool,
+        thinking_after [S] bool)."""
+        drafts = proposal.draft_token_ids  # [S, k]
+        params = [s.sampling_params for s in seqs]
+        all_greedy = all(p.is_greedy for p in params)
+        settings = [self.relax_settings(s) for s in seqs]
+        host = torch.tensor(
+            [
+                [float(n), float(en), ratio, float(top_k), delta, float(s.thinking), float(not p.is_greedy)]
+                for n, (en, ratio, top_k, delta), s, p in zip(proposal.num_drafts, settings, seqs, params)
+            ],
+            dtype=torch.float64,
+        )  # [S, 7]: num_drafts, relax on, ratio, top_k, delta, thinking, sampled
+        dev = host.to(self.device, non_blocking=True)
+        num_drafts, thinking = dev[:, 0].long(), dev[:, 5].bool()
+        # Sampled rows reach rejection_sample already scaled, so its temperature is 1 there, 0 = greedy.
+        temperature = dev[:, 6].float()
+        mask_stops_before_min_tokens(target, seqs)
+        if not all_greedy:
+            flat = target.view(-1, target.shape[-1])
+            t = SamplingTensors.from_params([p for p in params for _ in range(self.k + 1)], self.device)
+            target = process_logits(flat, t).view_as(target)
+        relax_mask, thinking_before = self._relax_mask(seqs, drafts, num_drafts, thinking, dev[:, 1].bool())
+        seeds = None
+        if not all_greedy:
+            seeds = [
+                int(self.rng.integers(2**62)) if p.seed is None else mix_seed(p.seed, s.num_output_tokens)
+                for p, s in zip(params, seqs)
+            ]
+            seeds = torch.tensor(seeds, dtype=torch.long).to(self.device, non_blocking=True)
+        result = rejection_sample(
+            target, drafts, num_drafts, relax_mask, temperature, dev[:, 2].float(), dev[:, 3].long(),
+            dev[:, 4].float(), proposal.draft_probs, self.generator, seeds=seeds, all_greedy=all_greedy,
+        )  # fmt: skip
+        rate = self.config.synthetic_acceptance_rate
+        if rate is not None:
+            result = self._synthetic(result, target, drafts, num_drafts, rate)
+        thinking_after = thinking
+        if self.tracker is not None:
+            thinking_after = self.tracker.advance(thinking, result.output_token_ids, result.num_accepted + 1)
+        return result, thinking_before, thinking_after
+
+    def _relax_mask(
+        self,
+        seqs: list[Sequence],
+        drafts: torch.Tensor,  # [S, k] int64
+        num_drafts: torch.Tensor,  # [S] int64
+        thinking: torch.Tensor,  # [S] bool
+        enabled: torch.Tensor,  # [S] bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(relax_mask [S, k] bool, thinking_before [S, k] bool): the tracker's per-token mask, minus
+        each request's own stop token ids (protected like EOS)."""
+        if self.tracker is None:
+            none = torch.zeros_like(drafts, dtype=torch.bool)
+            return none, none
+        relax_mask = self.tracker.relax_mask(thinking, drafts, num_drafts, enabled)
+        thinking_before = self.tracker.phase_before(thinking, drafts)
+        stop_ids = [sorted(s.sampling_params.stop_token_ids) for s in seqs]
+        if any(stop_ids):
+            width = max(len(x) for x in stop_ids)
+            pad = torch.tensor([x + [_NO_STOP_ID] * (width - len(x)) for x in stop_ids], dtype=torch.long)
+            pad = pad.to(self.device, non_blocking=True)  # [S, W]
+            relax_mask &= ~(drafts[:, :, None] == pad[:, None, :]).any(dim=2)
+        return relax_mask, thinking_before
+
+    def _outcomes(
+        self,
+        sched: SchedulerOutput,
+        sample_mask: list[bool],
+        batch: VerifyBatch,
+        proposal: Proposal,
+        host: HostPack,
+    ) -> list[StepOutcome]:
+        """What the step did to each scheduled sequence; counts the step in the metrics."""
+        spec_of = batch.spec_of
+        step = None
+        if batch.spec_index:
+            nd = np.asarray(batch.num_drafts, dtype=np.int64)
+            step = self.metrics.observe(nd, host.num_accepted, host.relaxed, host.thinking_before)
+        outcomes: list[StepOutcome] = []
+        plain_tokens = iter(host.plain_tokens)
+        for i, (seq, n, m) in enumerate(zip(sched.seqs, sched.num_new_tokens, sample_mask)):
+            b = spec_of.get(i)
+            if b is None:
+                tokens = [next(plain_tokens)] if m else []
+                computed = seq.num_computed_tokens + n
+                thinking = self.tracker.advance_host(seq.thinking, tokens) if self.tracker else None
+            else:
+                a = int(host.num_accepted[b])
+                tokens = host.tokens[b, : a + 1].tolist()
+                computed = seq.num_computed_tokens + 1 + a
+                thinking = bool(host.thinking_after[b])
+                if seq.metrics.spec_decode is None:
+                    seq.metrics.spec_decode = SpecDecodeMetrics()
+                seq.metrics.spec_decode.observe_step(step, b)
+            draft = None
+            if proposal.draft_computed is not None:  # the draft's K/V never runs past the target's
+                draft = min(proposal.draft_computed[i], computed)
+            outcomes.append(StepOutcome(tokens, computed, draft, thinking))
+        return outcomes
+
+    def _synthetic(
+        self,
+        result: RejectionResult,
+        target: torch.Tensor,  # [S, k+1, V]
+        drafts: torch.Tensor,  # [S, k]
+        num_drafts: torch.Tensor,  # [S]
+        rate: float,
+    ) -> RejectionResult:
+        """Benchmark mode: draft i is accepted with probability `rate` regardless of the models."""
+        num_spec, k = drafts.shape
+        u = torch.rand(num_spec, k, generator=self.generator, device=drafts.device)
+        pos = torch.arange(k, device=drafts.device)
+        ok = (u < rate) & (pos[None, :] < num_drafts[:, None])
+        num_accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # [S]
+        emitted = target.argmax(dim=-1).gather(1, num_accepted[:, None])  # [S, 1]
+        out = torch.full((num_spec, k + 1), NO_DRAFT, dtype=torch.long, device=drafts.device)
+        out[:, :k] = torch.where(pos[None, :] < num_accepted[:, None], drafts, NO_DRAFT)
+        out.scatter_(1, num_accepted[:, None], emitted)
+        return RejectionResult(out, num_accepted, torch.zeros_like(result.relaxed_accepted))

@@ -1,0 +1,45 @@
+"""What every proposer returns, and the one call they share.
+
+A proposer sees the scheduled batch (sequences, tokens each computes this step) and the decode
+sequences that speculate (`spec_index`, with a cap on drafts for each). It never writes sequence
+state: a draft model reports where its K/V pointers ended up, and the step's commit applies that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from thinkspec.engine.sequence import Sequence
+
+NO_DRAFT = -1  # padding of draft_token_ids past a row's drafts
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Drafts for the S speculating sequences of one step."""
+
+    draft_token_ids: torch.Tensor  # [S, k] int64 on the device, NO_DRAFT past num_drafts[b]
+    num_drafts: list[int]  # [S] drafts each row proposes (<= its cap)
+    draft_probs: torch.Tensor | None = None  # [S, k, V] float32 q of sampled rows; None = one-hot drafts
+    host_drafts: list[list[int]] | None = None  # [S][num_drafts[b]] when made on the host (fed as inputs)
+    # Per scheduled sequence (batch order): tokens whose draft K/V is written after the proposer's
+    # forwards; None without a draft model.
+    draft_computed: list[int] | None = None
+
+
+class Proposer(Protocol):
+    def propose(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        spec_index: Seq[int],
+        max_drafts: Seq[int],
+    ) -> Proposal:
+        """seqs / num_new_tokens: the scheduled batch; spec_index[b]: batch position of speculating
+        sequence b; max_drafts[b]: at most this many drafts for it (0 allowed)."""
+        ...
