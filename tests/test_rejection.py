@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from distributions import chi2_pvalue, dist_setup, pi_distribution, relaxed_set
 
 from thinkspec.sampling.rejection import rejection_sample, rejection_sample_reference
 
@@ -238,44 +238,6 @@ N = 200_000
 P_FLOOR = 1e-4
 
 
-def _dist_setup(v=6, temp=0.8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(v, generator=gen)
-    logits[v - 1] = NEG_INF  # a filtered token
-    p = torch.softmax(logits.double() / temp, -1)
-    # q favours token 1 (third by p at seed 2), so relaxation visibly moves mass onto it.
-    q = torch.rand(v, generator=gen).double() * 0.1 + 0.05
-    q[1] += 0.5
-    q /= q.sum()
-    return logits, p, q
-
-
-def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, "sampled a token of probability 0"
-    keep = probs > 0
-    return float(chisquare(counts[keep].numpy(), (probs[keep] * samples.numel()).numpy()).pvalue)
-
-
-def _relaxed_set(logits, temp, ratio, top_k, delta):
-    x = logits.double() / temp
-    p = torch.softmax(x, -1)
-    rank = (x[None, :] > x[:, None]).sum(-1)
-    ok = (x > NEG_INF) & (rank < top_k) & (torch.exp(x - x.max()) >= ratio)
-    if not math.isnan(delta):
-        ok &= p.max() - p <= delta
-    return ok
-
-
-def _pi(p, q, relaxed):
-    """Distribution of the token emitted at one sampled position with draft d ~ q."""
-    acc = torch.where(relaxed | (q == 0), torch.ones_like(p), torch.clamp(p / q, max=1.0))
-    residual = (p - q).clamp_min(0)
-    residual /= residual.sum()
-    p_reject = (q * (1 - acc)).sum()
-    return q * acc + p_reject * residual
-
-
 def _sample_position(logits, temp, drafts, q=None, relax=False, ratio=1.0, top_k=1, delta=NAN, seed=0, k=1):
     b, v = drafts.numel(), logits.numel()
     tl = logits.expand(b, k + 1, v).contiguous()
@@ -290,14 +252,14 @@ def _sample_position(logits, temp, drafts, q=None, relax=False, ratio=1.0, top_k
 
 
 def test_lossless_sampling_with_draft_probs_yields_p():
-    logits, p, q = _dist_setup()
+    logits, p, q = dist_setup()
     gen = torch.Generator().manual_seed(11)
     drafts = torch.multinomial(q.float(), N, replacement=True, generator=gen)
     res = _sample_position(logits, 0.8, drafts, q=q, seed=12)
-    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
     assert not res.relaxed_accepted.any()
     # Power: the same samples reject the draft distribution q.
-    assert _chi2_pvalue(res.output_token_ids[:, 0], q) < 1e-12
+    assert chi2_pvalue(res.output_token_ids[:, 0], q) < 1e-12
     # Accepted drafts keep their own token; the acceptance rate matches sum min(p, q).
     acc = res.num_accepted == 1
     assert torch.equal(res.output_token_ids[acc, 0], drafts[acc])
@@ -305,40 +267,40 @@ def test_lossless_sampling_with_draft_probs_yields_p():
 
 
 def test_lossless_sampling_one_hot_draft_yields_p():
-    logits, p, _ = _dist_setup(seed=1)
+    logits, p, _ = dist_setup(seed=1)
     drafts = torch.full((N,), int(p.argmin()), dtype=torch.long)  # a low-probability draft
     res = _sample_position(logits, 0.8, drafts, seed=13)
-    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
 
 
 @pytest.mark.parametrize("ratio, top_k, delta", [(0.15, 3, NAN), (0.1, 6, 0.45), (0.0, 3, 0.45)])
-def test_relaxed_sampling_yields_pi(ratio, top_k, delta):
+def test_relaxed_sampling_yieldspi_distribution(ratio, top_k, delta):
     temp = 0.8
-    logits, p, q = _dist_setup(seed=2)
-    relaxed = _relaxed_set(logits, temp, ratio, top_k, delta)
+    logits, p, q = dist_setup(seed=2)
+    relaxed = relaxed_set(logits, temp, ratio, top_k, delta)
     assert relaxed[1] and not relaxed.all()
-    pi = _pi(p, q, relaxed)
+    pi = pi_distribution(p, q, relaxed)
     gen = torch.Generator().manual_seed(21)
     drafts = torch.multinomial(q.float(), N, replacement=True, generator=gen)
     res = _sample_position(
         logits, temp, drafts, q=q, relax=True, ratio=ratio, top_k=top_k, delta=delta, seed=22
     )
     out = res.output_token_ids[:, 0]
-    assert _chi2_pvalue(out, pi) > P_FLOOR
-    assert _chi2_pvalue(out, p) < 1e-12  # power: relaxation moves the distribution away from p
+    assert chi2_pvalue(out, pi) > P_FLOOR
+    assert chi2_pvalue(out, p) < 1e-12  # power: relaxation moves the distribution away from p
     # relaxed_accepted marks accepted drafts in R whose p(d) < q(d).
     want_flag = (res.num_accepted == 1) & relaxed[drafts] & (p[drafts] < q[drafts])
     assert torch.equal(res.relaxed_accepted[:, 0], want_flag)
 
 
-def test_relaxed_sampling_one_hot_draft_yields_pi():
+def test_relaxed_sampling_one_hot_draft_yieldspi_distribution():
     temp, ratio, top_k = 0.8, 0.2, 4
-    logits, p, _ = _dist_setup(seed=3)
-    relaxed = _relaxed_set(logits, temp, ratio, top_k, NAN)
+    logits, p, _ = dist_setup(seed=3)
+    relaxed = relaxed_set(logits, temp, ratio, top_k, NAN)
     d = int(torch.where(relaxed & (p < p.max()))[0][0])  # a relaxable, non-top draft
     q = torch.zeros_like(p)
     q[d] = 1
-    pi = _pi(p, q, relaxed)
+    pi = pi_distribution(p, q, relaxed)
     assert pi[d] == 1.0
     res = _sample_position(
         logits, temp, torch.full((N // 10,), d), relax=True, ratio=ratio, top_k=top_k, seed=31
@@ -347,7 +309,7 @@ def test_relaxed_sampling_one_hot_draft_yields_pi():
     # Not relaxable draft: pi = p (lossless).
     d2 = int(torch.where(~relaxed & (p > 0))[0][0])
     res = _sample_position(logits, temp, torch.full((N,), d2), relax=True, ratio=ratio, top_k=top_k, seed=32)
-    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
 
 
 def test_bonus_row_sampled_from_row_num_draft_tokens():
@@ -365,13 +327,13 @@ def test_bonus_row_sampled_from_row_num_draft_tokens():
     )  # fmt: skip
     assert (res.num_accepted == 1).all() and (res.output_token_ids[:, 0] == 0).all()
     assert (res.output_token_ids[:, 2] == -1).all()
-    assert _chi2_pvalue(res.output_token_ids[:, 1], torch.softmax(row1.double() / temp, -1)) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 1], torch.softmax(row1.double() / temp, -1)) > P_FLOOR
     # num_draft_tokens = 0: the token comes straight from row 0.
     res = rejection_sample(
         tl, drafts, torch.zeros(b, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
         **_params(b, temperature=temp), generator=torch.Generator().manual_seed(43),
     )  # fmt: skip
-    assert _chi2_pvalue(res.output_token_ids[:, 0], torch.softmax(row0.double() / temp, -1)) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], torch.softmax(row0.double() / temp, -1)) > P_FLOOR
 
 
 # ---------------------------------------------------------------- sampling: seeds, mixing
