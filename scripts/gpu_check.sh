@@ -2,6 +2,8 @@
 # GPU tests and benchmarks in one go (meant for one H200). Writes JSON and logs under $OUT and
 # prints a short summary table last. Stages are time-boxed so one slow stage cannot eat the rest;
 # STAGES selects a subset (default: all), e.g. STAGES="tests acceptance".
+# Each stage's status goes into the summary (ok, FAILED (exit N), TIMED OUT after Ns); later stages
+# still run, and the script exits 1 at the end if any stage failed.
 #   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels); TEST_PATHS
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
@@ -32,25 +34,43 @@ summary="$OUT/summary.txt"
 : >"$summary"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 note() { echo "$*" | tee -a "$summary"; }
+# Every stage records its exit status; the script exits non-zero at the end if any stage failed, so a
+# failing or timed-out run cannot pass for a good one. `timeout` exits 124 (137 if it had to KILL).
+failed=()
+# record NAME EXIT LIMIT_S [DETAIL...]: one summary line "NAME: ok | FAILED (exit N) | TIMED OUT after Ns"
+record() {
+  local name=$1 rc=$2 limit=$3 status
+  shift 3
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="TIMED OUT after ${limit}s" ;;
+    *) status="FAILED (exit $rc)" ;;
+  esac
+  [ "$rc" -eq 0 ] || failed+=("$name")
+  note "$name: $status${*:+ $*}"
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || record nvidia-smi "$rc" 0
 
 if has tests; then
   timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
-  note "tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" | tail -1)"
+  rc=${PIPESTATUS[0]}
+  record tests "$rc" "${TESTS_TIMEOUT:-200}" "$(grep -E '(passed|failed|error|no tests ran)' "$OUT/gpu_tests.log" | tail -1)"
 fi
 
 
 if has spec_round; then
   timeout "${SPEC_ROUND_TIMEOUT:-150}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
     2>&1 | tee "$OUT/spec_round.log"
-  note "spec_round: exit ${PIPESTATUS[0]}"
+  record spec_round "${PIPESTATUS[0]}" "${SPEC_ROUND_TIMEOUT:-150}"
 fi
 
 if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-420}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
     ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
-  note "throughput: exit ${PIPESTATUS[0]}"
+  record throughput "${PIPESTATUS[0]}" "${THROUGHPUT_TIMEOUT:-420}"
 fi
 
 if has long; then
@@ -59,34 +79,35 @@ if has long; then
     timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/bench_throughput.py --skip-hf --prompt-len "$len" \
       --batch-sizes "$batches" --acceptance-lengths 3 --out "$OUT/long_throughput_$len.json" 2>&1 \
       | grep -v 'it/s' | tee -a "$OUT/long.log" | tail -n 8
-    note "long throughput prompt $len: exit ${PIPESTATUS[0]}"
+    record "long throughput prompt $len" "${PIPESTATUS[0]}" "${LONG_TIMEOUT:-200}"
     timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/bench_spec_round.py --prompt-len "$len" --batch-sizes "$batches" \
       --out "$OUT/long_spec_round_$len.json" 2>&1 | tee -a "$OUT/long.log" | tail -n 4
-    note "long spec_round prompt $len: exit ${PIPESTATUS[0]}"
+    record "long spec_round prompt $len" "${PIPESTATUS[0]}" "${LONG_TIMEOUT:-200}"
   done
 fi
 
 if has graphs; then
   timeout "${GRAPHS_TIMEOUT:-240}" $PY benchmarks/bench_graphs.py --out "$OUT/graphs.json" >"$OUT/graphs.log" 2>&1
-  note "graphs: exit $? $(tail -n 1 "$OUT/graphs.log")"
+  rc=$?
+  record graphs "$rc" "${GRAPHS_TIMEOUT:-240}" "$(tail -n 1 "$OUT/graphs.log")"
 fi
 
 if has gemv; then
   timeout "${GEMV_TIMEOUT:-240}" $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
     | tee "$OUT/gemv.log"
-  note "gemv: exit ${PIPESTATUS[0]}"
+  record gemv "${PIPESTATUS[0]}" "${GEMV_TIMEOUT:-240}"
 fi
 
 if has attention; then
   timeout "${ATTENTION_TIMEOUT:-240}" $PY benchmarks/bench_attention.py --out "$OUT/attention.json" \
     ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log"
-  note "attention: exit ${PIPESTATUS[0]}"
+  record attention "${PIPESTATUS[0]}" "${ATTENTION_TIMEOUT:-240}"
 fi
 
 if has tune; then
   timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 \
     | tee "$OUT/tune.log" | tail -n 12
-  note "tune: exit ${PIPESTATUS[0]}"
+  record tune "${PIPESTATUS[0]}" "${TUNE_TIMEOUT:-240}"
 fi
 
 # After tune (when both run): the benchmark uses the shape the tune found best.
@@ -96,7 +117,7 @@ if has acceptance; then
 print(",".join(str(b[k]) for k in ("tile","vec","warps","maxnreg")))' "$OUT/tune.json")")
   timeout "${ACCEPTANCE_TIMEOUT:-240}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" "${cfg[@]}" \
     2>&1 | tee "$OUT/acceptance.log"
-  note "acceptance: exit ${PIPESTATUS[0]} ${cfg[*]}"
+  record acceptance "${PIPESTATUS[0]}" "${ACCEPTANCE_TIMEOUT:-240}" "${cfg[*]}"
 fi
 
 if has step; then
@@ -109,7 +130,7 @@ if has step; then
     name="step_${bs}_${len:-short}${mode:+_$mode}"
     timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" ${STEP_ARGS:-} \
       --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21
-    note "step batch $bs max_model_len ${len:-short} ${mode:-async}: exit ${PIPESTATUS[0]}"
+    record "step batch $bs max_model_len ${len:-short} ${mode:-async}" "${PIPESTATUS[0]}" "${STEP_TIMEOUT:-150}"
     steps+=("$OUT/$name.json")
   done
   # One file back instead of one per run (at most 8 files come back).
@@ -120,7 +141,8 @@ fi
 if has profile; then
   timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/profile_toy.py --device cuda --num-problems 256 \
     ${PROFILE_ARGS:-} >"$OUT/profile.log" 2>&1
-  note "profile: exit $? ($(head -1 "$OUT/profile.log"))"
+  rc=$?
+  record profile "$rc" "${PROFILE_TIMEOUT:-180}" "($(head -1 "$OUT/profile.log"))"
 fi
 
 if has drafts; then
@@ -132,8 +154,10 @@ if has drafts; then
     timeout 120 $PY -m thinkspec.toy.train --role draft --tokenizer thinkspec/assets/toy-reasoner/target \
       --out "$work/$name" --num-layers 3 --hidden-size 160 --num-heads 5 --head-dim 32 \
       --intermediate-size 480 --steps "$steps" --batch-size 128 --seq-len 640 --samples 100000 --lr 2e-3 \
-      --warmup-steps 50 --log-every 100 --seed 1 --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1 \
-      && names+=("$name")
+      --warmup-steps 50 --log-every 100 --seed 1 --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1
+    rc=$?
+    record "draft $name" "$rc" 120
+    [ "$rc" -eq 0 ] && names+=("$name")
     # Later stages see the new drafts next to the bundled ones.
     [ -d "$work/$name" ] && cp -r "$work/$name" "thinkspec/assets/toy-reasoner/$name"
   done
@@ -145,7 +169,8 @@ if has drafts; then
     timeout "${ANALYZE_TIMEOUT:-300}" $PY -m thinkspec.toy.analyze --target thinkspec/assets/toy-reasoner/target \
       "${args[@]}" --n "${ANALYZE_N:-300}" --relax 0.1,8 --relax 0.3,3 --json "$OUT/analyze.json" \
       >>"$OUT/drafts.log" 2>&1
-    note "analyze: exit $?"
+    rc=$?
+    record analyze "$rc" "${ANALYZE_TIMEOUT:-300}"
     tail -n $(( ${#names[@]} + 3 )) "$OUT/drafts.log" | tee -a "$summary"
   fi
 fi
@@ -154,7 +179,7 @@ if has toy; then
   timeout "${TOY_TIMEOUT:-240}" $PY benchmarks/toy_quality.py --num-problems "${TOY_N:-500}" \
     --drafts "${TOY_DRAFTS:-draft}" --relax "${TOY_RELAX:-0.3:3,0.1:8}" --device cuda \
     --max-num-seqs 256 --out "$OUT/toy_quality.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/toy_quality.log"
-  note "toy: exit ${PIPESTATUS[0]}"
+  record toy "${PIPESTATUS[0]}" "${TOY_TIMEOUT:-240}"
 fi
 
 if has sweep; then
@@ -164,8 +189,14 @@ if has sweep; then
     --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3}" \
     --relax-top-ks "${SWEEP_TOPKS:-8}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
     --output-dir "$dir" --resume 2>&1 | grep -v 'it/s]' >"$OUT/sweep.log"
-  note "sweep: exit ${PIPESTATUS[0]}"
+  record sweep "${PIPESTATUS[0]}" "${SWEEP_TIMEOUT:-400}"
   mkdir -p "$OUT/sweep" && cp "$dir"/* "$OUT/sweep/" 2>/dev/null
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  note "FAILED: ${#failed[@]} stage(s): $(IFS=,; echo "${failed[*]}")"
+else
+  note "all stages ok"
 fi
 
 # At most 8 files come back: logs travel as one archive.
@@ -181,3 +212,4 @@ for f in spec_round throughput gemv acceptance step toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"
+[ ${#failed[@]} -eq 0 ]

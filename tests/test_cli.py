@@ -1,4 +1,5 @@
-"""The `thinkspec` command: help texts, imports without server packages, `generate`, `serve` refusals."""
+"""The `thinkspec` command: help texts, dispatch of every subcommand, a tiny `bench` run, imports without
+server packages, `generate`, `serve` refusals."""
 
 from __future__ import annotations
 
@@ -182,15 +183,50 @@ def test_generate_refusals(capsys, ckpt):
     assert "error:" in out and "output_tokens=" in out
 
 
-@pytest.mark.parametrize("command", ["bench", "sweep"])
-def test_bench_and_sweep_are_implemented(capsys, command):
-    text = help_text(capsys, command)
-    assert "not implemented" not in text.lower()
-    for flag in ("--dataset", "--num-prompts", "--max-tokens", "--sampling-seed"):
-        assert flag in text
-    if command == "sweep":
-        for flag in ("--relax-ratios", "--relax-top-ks", "--relax-deltas", "--accuracy-budget"):
-            assert flag in text
+RUN_FUNCTIONS = {
+    "demo": ("thinkspec.entrypoints.demo", "run_demo"),
+    "generate": ("thinkspec.entrypoints.generate", "run_generate"),
+    "serve": ("thinkspec.entrypoints.openai.server", "run_server"),
+    "bench": ("thinkspec.bench.bench", "run_bench_command"),
+    "sweep": ("thinkspec.bench.sweep", "run_sweep_command"),
+}
+
+
+@pytest.mark.parametrize(
+    ("argv", "parsed"),
+    [
+        (["demo", "--num-problems", "3"], {"num_problems": 3}),
+        (["generate", "m", "--prompt", "hi", "--max-tokens", "5"], {"model": "m", "max_tokens": 5}),
+        (["serve", "m", "--port", "8123"], {"model": "m", "port": 8123}),
+        (["bench", "m", "--num-prompts", "4", "--max-tokens", "9"], {"num_prompts": 4, "max_tokens": 9}),
+        (["sweep", "m", "--relax-ratios", "0.2", "--max-tokens", "7"], {"model": "m", "max_tokens": 7}),
+    ],
+    ids=lambda x: x[0] if isinstance(x, list) else "",
+)
+def test_each_subcommand_runs_its_own_function(monkeypatch, argv, parsed):
+    # Every run function is replaced by a recorder: the command must reach its own, with its flags
+    # parsed, and return what it returns.
+    import importlib
+
+    calls = []
+    for command, (module, name) in RUN_FUNCTIONS.items():
+        recorder = lambda args, command=command: calls.append((command, args)) or 7  # noqa: E731
+        monkeypatch.setattr(importlib.import_module(module), name, recorder)
+    assert main(argv) == 7
+    assert [command for command, _ in calls] == [argv[0]]
+    args = calls[0][1]
+    assert args.command == argv[0]
+    assert {key: getattr(args, key) for key in parsed} == parsed
+
+
+def test_bench_runs_on_a_tiny_checkpoint(capsys, ckpt, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["bench", ckpt, "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4", "--no-progress"]
+    assert main([*argv, "--output-json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "acc" in table and "tok/s" in table
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["num_prompts"] == 2 and summary["mode"] == "no_spec"
 
 
 @pytest.mark.parametrize(

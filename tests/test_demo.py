@@ -11,9 +11,21 @@ def test_demo_prints_both_modes_and_an_example(capsys):
     assert "strict" in out and "relaxed (ratio" in out
     assert "--- reasoning_content ---" in out and "--- content ---" in out
     assert "**Answer:**" in out  # the answer part, shown apart from the reasoning
-    table = [line for line in out.splitlines() if line.startswith(("strict", "relaxed"))]
-    assert len(table) == 2
-    for line in table:
-        accuracy = line.split()[-4] if line.startswith("strict") else line.split()[-4]
-        correct, total = accuracy.split("/")
-        assert total == "2" and 0 <= int(correct) <= 2
+    # Table rows: mode, accuracy "correct/total", accept len, accept len in thinking, tokens/s.
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith(("strict", "relaxed")):
+            accuracy, accept_len, thinking_len, _ = line.split()[-4:]
+            correct, total = map(int, accuracy.split("/"))
+            rows[line.split()[0]] = (correct, total, float(accept_len), float(thinking_len))
+    assert set(rows) == {"strict", "relaxed"}
+    strict, relaxed = rows["strict"], rows["relaxed"]
+    # The bundled pair scored 100% strict and 99% relaxed on 500 fresh problems (README, "Measured"):
+    # both right strict, at most one miss relaxed.
+    assert strict[:2] == (2, 2)
+    assert relaxed[1] == 2 and relaxed[0] >= 1
+    # k = 4: between 1 (every draft rejected) and 5 tokens per round; the bundled draft helps, and
+    # relaxing the thinking phase accepts more there (2.8 vs 4.6 at this seed).
+    for _, _, accept_len, thinking_len in (strict, relaxed):
+        assert 1 < accept_len <= 5 and 1 < thinking_len <= 5
+    assert relaxed[3] > strict[3] + 0.5

@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-from checkpoints import END_THINK_ID, IM_END_ID, tiny_checkpoint
+from checkpoints import END_THINK_ID, IM_END_ID, THINK_ID, tiny_checkpoint
 
 from thinkspec import LLM, CompletionOutput, RequestOutput, SamplingParams
-from thinkspec.reasoning import get_reasoning_parser
 
 GREEDY = dict(temperature=0.0)
 
@@ -186,22 +185,36 @@ def test_chat_uses_the_template(llm):
     assert off.prompt.endswith("<think>\n\n</think>\n\n")
 
 
-def test_reasoning_content_on_outputs(path):
-    llm = LLM(str(path), device="cpu", reasoning_parser="qwen3", max_model_len=128)
-    parser = get_reasoning_parser("qwen3")
-    conv = [{"role": "user", "content": "hi"}]
-    sp = SamplingParams(max_tokens=12, **GREEDY)
-    answer = llm.chat(conv, sp, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0]
-    comp = answer.outputs[0]
-    assert (comp.reasoning_content, comp.content) == parser.split(comp.text, False)
-    assert comp.reasoning_content is None or "</think>" in comp.text
-    # A prompt that ends inside <think>: the output starts as reasoning.
-    thinking = llm.generate(answer.prompt + "<think>\n", sp, use_tqdm=False)[0]
-    assert thinking.prompt_token_ids[-2] != END_THINK_ID
-    comp = thinking.outputs[0]
-    assert (comp.reasoning_content, comp.content) == parser.split(comp.text, True)
-    if comp.text.strip("\n") and "</think>" not in comp.text:
-        assert comp.content is None and comp.reasoning_content
+@pytest.mark.parametrize(
+    "prompt_tail, output, reasoning, content",
+    [
+        # Thinking switched off in the prompt: all content.
+        ("<think>\n\n</think>\n\n", ["The answer is 4."], None, "The answer is 4."),
+        # Prompt ends inside <think>: reasoning up to </think>; the newlines around markers go.
+        ("<think>\n", ["add 2 and 2\n", END_THINK_ID, "\n\nIt is 4."], "add 2 and 2", "It is 4."),
+        # No marker in the prompt: the answer phase, until the output opens its own block.
+        ("", [THINK_ID, "\nhm\n", END_THINK_ID, "\n\nok"], "hm", "ok"),
+        ("<think>\n", ["still thinking"], "still thinking", None),
+    ],
+    ids=["thinking-off", "prompt-opens-think", "output-opens-think", "never-closed"],
+)
+def test_reasoning_content_on_outputs(path, prompt_tail, output, reasoning, content):
+    # The engine samples a scripted stream of token ids (the tiny random model would rarely emit a
+    # think marker), so reasoning_content / content are known literally, not taken from the parser.
+    llm = LLM(str(path), device="cpu", reasoning_parser="qwen3", max_model_len=128, async_scheduling=False)
+    tok = llm.get_tokenizer()
+    script = [t for part in output for t in ([part] if isinstance(part, int) else tok.encode(part))]
+    script.append(IM_END_ID)
+
+    def scripted_sampler(logits, params, num_output_tokens):  # logits [B, V] -> token ids [B] int64
+        return torch.tensor([script[n] for n in num_output_tokens], dtype=torch.long)
+
+    llm.llm_engine.sampler = scripted_sampler
+    prompt = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n" + prompt_tail
+    sp = SamplingParams(max_tokens=64, stop_token_ids=[IM_END_ID], **GREEDY)
+    comp = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert comp.token_ids == script and comp.finish_reason == "stop"
+    assert (comp.reasoning_content, comp.content) == (reasoning, content)
     assert_all_blocks_free(llm)
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,10 +22,13 @@ def test_profile_step_smoke(tmp_path):
     result = json.loads(out.read_text())
     phases = result["phases_ms"]
     assert result["batch"] == 2 and result["device_profile"] is None
-    assert phases["execute_model"] > 0 and phases["schedule"] >= 0 and phases["sample"] >= 0
-    parts = phases["schedule"] + phases["execute_model"] + phases["sample"] + phases["wait_and_commit"]
-    assert abs(parts - phases["step"]) < 0.5 * phases["step"]  # medians of parts vs median of sums
-    assert phases["step_min"] <= phases["step"] <= phases["step_max"]
+    # Structure, not timings: each part is timed inside its step, so every per-step part (the
+    # remainder wait_and_commit included) is >= 0 and <= that step, and so are their medians.
+    parts = ("schedule", "execute_model", "sample", "wait_and_commit")
+    for name in parts:
+        assert 0 <= phases[name] <= phases["step_max"], (name, phases)
+    assert 0 < phases["step_min"] <= phases["step"] <= phases["step_max"]
+    assert phases["step_mean"] >= phases["step_min"]  # total wall time of the steps / steps
 
 
 def test_bench_throughput_smoke(tmp_path):
@@ -41,7 +47,11 @@ def test_bench_throughput_smoke(tmp_path):
     ]  # fmt: skip
     for r in rows:
         st = r["steps"]
-        assert r["seconds"] > 0 and r["tok_per_s"] > 0
+        # "seconds" is a difference of two timed runs (full length minus one token), which a loaded
+        # machine can make zero or negative: check how the row is derived from it, not its sign.
+        assert math.isfinite(r["seconds"])
+        assert r["tok_per_s"] == pytest.approx(r["batch"] * 11 / r["seconds"])  # 11 decode steps
+        assert r["ms_per_step"] == pytest.approx(r["seconds"] / 11 * 1e3)
         assert st["count"] >= 2 and 0 < st["median_ms"] <= st["max_ms"]
         assert 0 <= st["slow_steps"] < st["count"] and st["slow_excess_ms"] >= 0
     plain = [r for r in rows if not r["engine"].startswith("thinkspec_spec")]

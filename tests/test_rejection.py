@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from distributions import chi2_pvalue, dist_setup, pi_distribution, relaxed_set
 
-from thinkspec.sampling.rejection import rejection_sample, rejection_sample_reference
+from thinkspec.sampling import rejection
+from thinkspec.sampling.rejection import rejection_sample
 
 NAN = float("nan")
 NEG_INF = float("-inf")
@@ -238,44 +238,6 @@ N = 200_000
 P_FLOOR = 1e-4
 
 
-def _dist_setup(v=6, temp=0.8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(v, generator=gen)
-    logits[v - 1] = NEG_INF  # a filtered token
-    p = torch.softmax(logits.double() / temp, -1)
-    # q favours token 1 (third by p at seed 2), so relaxation visibly moves mass onto it.
-    q = torch.rand(v, generator=gen).double() * 0.1 + 0.05
-    q[1] += 0.5
-    q /= q.sum()
-    return logits, p, q
-
-
-def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, "sampled a token of probability 0"
-    keep = probs > 0
-    return float(chisquare(counts[keep].numpy(), (probs[keep] * samples.numel()).numpy()).pvalue)
-
-
-def _relaxed_set(logits, temp, ratio, top_k, delta):
-    x = logits.double() / temp
-    p = torch.softmax(x, -1)
-    rank = (x[None, :] > x[:, None]).sum(-1)
-    ok = (x > NEG_INF) & (rank < top_k) & (torch.exp(x - x.max()) >= ratio)
-    if not math.isnan(delta):
-        ok &= p.max() - p <= delta
-    return ok
-
-
-def _pi(p, q, relaxed):
-    """Distribution of the token emitted at one sampled position with draft d ~ q."""
-    acc = torch.where(relaxed | (q == 0), torch.ones_like(p), torch.clamp(p / q, max=1.0))
-    residual = (p - q).clamp_min(0)
-    residual /= residual.sum()
-    p_reject = (q * (1 - acc)).sum()
-    return q * acc + p_reject * residual
-
-
 def _sample_position(logits, temp, drafts, q=None, relax=False, ratio=1.0, top_k=1, delta=NAN, seed=0, k=1):
     b, v = drafts.numel(), logits.numel()
     tl = logits.expand(b, k + 1, v).contiguous()
@@ -290,14 +252,14 @@ def _sample_position(logits, temp, drafts, q=None, relax=False, ratio=1.0, top_k
 
 
 def test_lossless_sampling_with_draft_probs_yields_p():
-    logits, p, q = _dist_setup()
+    logits, p, q = dist_setup()
     gen = torch.Generator().manual_seed(11)
     drafts = torch.multinomial(q.float(), N, replacement=True, generator=gen)
     res = _sample_position(logits, 0.8, drafts, q=q, seed=12)
-    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
     assert not res.relaxed_accepted.any()
     # Power: the same samples reject the draft distribution q.
-    assert _chi2_pvalue(res.output_token_ids[:, 0], q) < 1e-12
+    assert chi2_pvalue(res.output_token_ids[:, 0], q) < 1e-12
     # Accepted drafts keep their own token; the acceptance rate matches sum min(p, q).
     acc = res.num_accepted == 1
     assert torch.equal(res.output_token_ids[acc, 0], drafts[acc])
@@ -305,40 +267,40 @@ def test_lossless_sampling_with_draft_probs_yields_p():
 
 
 def test_lossless_sampling_one_hot_draft_yields_p():
-    logits, p, _ = _dist_setup(seed=1)
+    logits, p, _ = dist_setup(seed=1)
     drafts = torch.full((N,), int(p.argmin()), dtype=torch.long)  # a low-probability draft
     res = _sample_position(logits, 0.8, drafts, seed=13)
-    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
 
 
 @pytest.mark.parametrize("ratio, top_k, delta", [(0.15, 3, NAN), (0.1, 6, 0.45), (0.0, 3, 0.45)])
-def test_relaxed_sampling_yields_pi(ratio, top_k, delta):
+def test_relaxed_sampling_yieldspi_distribution(ratio, top_k, delta):
     temp = 0.8
-    logits, p, q = _dist_setup(seed=2)
-    relaxed = _relaxed_set(logits, temp, ratio, top_k, delta)
+    logits, p, q = dist_setup(seed=2)
+    relaxed = relaxed_set(logits, temp, ratio, top_k, delta)
     assert relaxed[1] and not relaxed.all()
-    pi = _pi(p, q, relaxed)
+    pi = pi_distribution(p, q, relaxed)
     gen = torch.Generator().manual_seed(21)
     drafts = torch.multinomial(q.float(), N, replacement=True, generator=gen)
     res = _sample_position(
         logits, temp, drafts, q=q, relax=True, ratio=ratio, top_k=top_k, delta=delta, seed=22
     )
     out = res.output_token_ids[:, 0]
-    assert _chi2_pvalue(out, pi) > P_FLOOR
-    assert _chi2_pvalue(out, p) < 1e-12  # power: relaxation moves the distribution away from p
+    assert chi2_pvalue(out, pi) > P_FLOOR
+    assert chi2_pvalue(out, p) < 1e-12  # power: relaxation moves the distribution away from p
     # relaxed_accepted marks accepted drafts in R whose p(d) < q(d).
     want_flag = (res.num_accepted == 1) & relaxed[drafts] & (p[drafts] < q[drafts])
     assert torch.equal(res.relaxed_accepted[:, 0], want_flag)
 
 
-def test_relaxed_sampling_one_hot_draft_yields_pi():
+def test_relaxed_sampling_one_hot_draft_yieldspi_distribution():
     temp, ratio, top_k = 0.8, 0.2, 4
-    logits, p, _ = _dist_setup(seed=3)
-    relaxed = _relaxed_set(logits, temp, ratio, top_k, NAN)
+    logits, p, _ = dist_setup(seed=3)
+    relaxed = relaxed_set(logits, temp, ratio, top_k, NAN)
     d = int(torch.where(relaxed & (p < p.max()))[0][0])  # a relaxable, non-top draft
     q = torch.zeros_like(p)
     q[d] = 1
-    pi = _pi(p, q, relaxed)
+    pi = pi_distribution(p, q, relaxed)
     assert pi[d] == 1.0
     res = _sample_position(
         logits, temp, torch.full((N // 10,), d), relax=True, ratio=ratio, top_k=top_k, seed=31
@@ -347,7 +309,7 @@ def test_relaxed_sampling_one_hot_draft_yields_pi():
     # Not relaxable draft: pi = p (lossless).
     d2 = int(torch.where(~relaxed & (p > 0))[0][0])
     res = _sample_position(logits, temp, torch.full((N,), d2), relax=True, ratio=ratio, top_k=top_k, seed=32)
-    assert _chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], p) > P_FLOOR
 
 
 def test_bonus_row_sampled_from_row_num_draft_tokens():
@@ -365,13 +327,13 @@ def test_bonus_row_sampled_from_row_num_draft_tokens():
     )  # fmt: skip
     assert (res.num_accepted == 1).all() and (res.output_token_ids[:, 0] == 0).all()
     assert (res.output_token_ids[:, 2] == -1).all()
-    assert _chi2_pvalue(res.output_token_ids[:, 1], torch.softmax(row1.double() / temp, -1)) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 1], torch.softmax(row1.double() / temp, -1)) > P_FLOOR
     # num_draft_tokens = 0: the token comes straight from row 0.
     res = rejection_sample(
         tl, drafts, torch.zeros(b, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
         **_params(b, temperature=temp), generator=torch.Generator().manual_seed(43),
     )  # fmt: skip
-    assert _chi2_pvalue(res.output_token_ids[:, 0], torch.softmax(row0.double() / temp, -1)) > P_FLOOR
+    assert chi2_pvalue(res.output_token_ids[:, 0], torch.softmax(row0.double() / temp, -1)) > P_FLOOR
 
 
 # ---------------------------------------------------------------- sampling: seeds, mixing
@@ -428,9 +390,92 @@ def test_mixed_batch_greedy_rows_match_greedy_only_call():
         assert 0 <= int(out[r, j]) < 12 and (out[r, j + 1 :] == -1).all()
 
 
-def test_reference_forced_and_validate_flag_accepted():
-    kw = _mixed_batch()
-    a = rejection_sample(**kw, seeds=torch.arange(6), use_triton=False, validate=True, all_greedy=False)
-    b = rejection_sample_reference(**kw, seeds=torch.arange(6))
-    assert torch.equal(a.output_token_ids, b.output_token_ids)
-    assert np.all(a.num_accepted.numpy() <= kw["num_draft_tokens"].numpy())
+def _softmax(x):
+    m = max(x)
+    z = sum(math.exp(xv - m) for xv in x)
+    return [math.exp(xv - m) / z for xv in x]
+
+
+def _race(r, e):
+    """Exponential race: argmax_v r[v] / e[v] samples normalize(r) when e[v] ~ Exp(1)."""
+    return max(range(len(r)), key=lambda v: r[v] / e[v])
+
+
+def _brute_position(x, d, q_row, u, e, sampled, relax_args):
+    """One draft position in Python floats: (accepted, relaxed-only flag, token emitted on rejection).
+    x: scaled logits [V] list; q_row: q [V] list; u: the uniform; e: Exp(1) draws [V] list;
+    relax_args: (relax_mask, ratio, top_k, delta)."""
+    mask, ratio, top_k, delta = relax_args
+    p = _softmax(x)
+    g = x.index(max(x))
+    passed = (
+        mask and x[d] > NEG_INF and sum(xv > x[d] for xv in x) < top_k and p[d] / p[g] >= ratio
+        and (math.isnan(delta) or p[g] - p[d] <= delta)
+    )  # fmt: skip
+    if not sampled:
+        return d == g or passed, passed and d != g, g
+    accepted = passed or u * q_row[d] < p[d]
+    r = [max(0.0, pv - qv) for pv, qv in zip(p, q_row)]
+    return accepted, passed and p[d] < q_row[d], _race(r if sum(r) > 0 else p, e)
+
+
+def _brute_batch(kw, u, e):
+    """Acceptance contract (DESIGN.md) per request and position, given the uniforms u [B, K] and the
+    Exp(1) draws e [B, V] the sampler consumes: (outputs [B, K+1], num_accepted [B], flags [B, K])."""
+    logits, drafts, q_all = kw["target_logits"], kw["draft_token_ids"], kw["draft_probs"]
+    b_, k1, v = logits.shape
+    outs, accs, flags = [], [], []
+    for b in range(b_):
+        t = float(kw["temperature"][b])
+        rows = (logits[b].double() / (t if t > 0 else 1.0)).tolist()
+        e_b = e[b].tolist()
+        out, flag = [], [False] * (k1 - 1)
+        for i in range(int(kw["num_draft_tokens"][b])):
+            d = int(drafts[b, i])
+            q_row = [float(d == vv) for vv in range(v)] if q_all is None else q_all[b, i].tolist()
+            relax_args = (
+                bool(kw["relax_mask"][b, i]), float(kw["relax_ratio"][b]), int(kw["relax_top_k"][b]),
+                float(kw["relax_delta"][b]),
+            )  # fmt: skip
+            accepted, relaxed_only, token = _brute_position(
+                rows[i], d, q_row, float(u[b, i]), e_b, t > 0, relax_args
+            )
+            if not accepted:
+                out.append(token)
+                break
+            out.append(d)
+            flag[i] = relaxed_only
+        else:  # every draft accepted: bonus token from row num_draft_tokens[b]
+            x = rows[len(out)]
+            out.append(_race(_softmax(x), e_b) if t > 0 else x.index(max(x)))
+        accs.append(len(out) - 1)
+        outs.append(out + [-1] * (k1 - len(out)))
+        flags.append(flag)
+    return torch.tensor(outs), torch.tensor(accs), torch.tensor(flags, dtype=torch.bool).reshape(b_, k1 - 1)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_mixed_batch_matches_per_row_oracle(monkeypatch, with_q):
+    # The reference against a per-row Python oracle of the contract, both fed the same random draws
+    # (the reference's own generator is replaced), so every greedy and sampled decision is checked.
+    b, k, v = 96, 3, 9
+    gen = torch.Generator().manual_seed(17 + with_q)
+    logits, drafts, n, mask, ratio, top_k, delta = _random_greedy_batch(gen, b, k, v)
+    logits = torch.where(logits > NEG_INF, logits + torch.rand(b, k + 1, v, generator=gen), logits)  # no ties
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.5])[torch.randint(0, 4, (b,), generator=gen)]
+    q = torch.softmax(2 * torch.randn(b, k, v, generator=gen), -1) if with_q else None
+    u = torch.rand(b, k, generator=gen)
+    e = torch.empty(b, v).exponential_(generator=gen)
+    monkeypatch.setattr(rejection, "_draw_randoms", lambda *args: (u, e))
+    kw = dict(
+        target_logits=logits, draft_token_ids=drafts, num_draft_tokens=n, relax_mask=mask, temperature=temp,
+        relax_ratio=ratio, relax_top_k=top_k, relax_delta=delta, draft_probs=q,
+    )  # fmt: skip
+    res = rejection_sample(**kw, use_triton=False, validate=True, all_greedy=False)
+    want_out, want_acc, want_flags = _brute_batch(kw, u, e)
+    assert torch.equal(res.num_accepted, want_acc)
+    assert torch.equal(res.output_token_ids, want_out)
+    assert torch.equal(res.relaxed_accepted, want_flags)
+    # The batch exercises what it claims to: sampled rejections, relaxed-only acceptances, bonuses.
+    sampled = temp > 0
+    assert (sampled & (want_acc < n)).sum() >= 5 and want_flags[sampled].any() and (want_acc == n).any()

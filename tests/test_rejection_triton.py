@@ -2,7 +2,8 @@
 
 On CPU the kernels run under the Triton interpreter. Triton reads TRITON_INTERPRET when a kernel is
 decorated, so the interpreter cases run in a child pytest process that sets it
-(`test_kernels_under_interpreter`); run them directly with
+(`test_kernels_under_interpreter`, and `test_sampling_distributions_under_interpreter` for the slow
+sampled-distribution cases); run them directly with
 `TRITON_INTERPRET=1 pytest tests/test_rejection_triton.py -k test_interp_`. GPU cases are marked `gpu`.
 """
 
@@ -15,7 +16,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not importable")
 
-from scipy.stats import chisquare  # noqa: E402
+from distributions import acceptance_probability, chi2_pvalue, dist_setup, pi_distribution, relaxed_set  # noqa: E402
+from scipy.stats import binomtest  # noqa: E402
 from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec.sampling import rejection_triton as rt  # noqa: E402
@@ -27,7 +29,13 @@ NEG_INF = float("-inf")
 
 @parent_only
 def test_kernels_under_interpreter():
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, "test_interp_ and not test_interp_sampling_distributions")
+
+
+@parent_only
+@pytest.mark.slow
+def test_sampling_distributions_under_interpreter():
+    run_interpreter_cases(__file__, "test_interp_sampling_distributions")
 
 
 # ---------------------------------------------------------------- shared input builders
@@ -263,6 +271,50 @@ def test_interp_dispatch_and_validate(small_tiles):
         rt.rejection_sample_triton(**{**kw, "temperature": torch.ones(4)}, all_greedy=True, validate=True)
 
 
+# Requests per case: the interpreter runs four programs per request in Python (~50 ms a request on
+# a 2-core machine), so the GPU case's 400,000 samples are out of reach. The exact checks below
+# (accepted drafts kept, residual support, relaxed drafts always accepted, flags) catch a broken path
+# on any sample; the statistical ones are sized for gross errors (see the power checks).
+N_INTERP = 150
+
+
+@interp
+@pytest.mark.parametrize("relax", [False, True])
+def test_interp_sampling_distributions(relax):
+    temp, ratio, top_k = 0.8, 0.15, 3
+    logits, p, q = dist_setup(seed=2)  # the distributions of test_rejection.py's relaxed case
+    relaxed = relaxed_set(logits, temp, ratio, top_k, NAN) & relax  # [V] bool
+    assert relaxed[1] == relax  # token 1: q's favourite, relaxable
+    want = pi_distribution(p, q, relaxed) if relax else p
+    n = N_INTERP
+    drafts = torch.multinomial(q.float(), n, replacement=True, generator=torch.Generator().manual_seed(3))
+    kw = dict(
+        target_logits=logits.expand(n, 2, -1).contiguous(), draft_token_ids=drafts[:, None],
+        num_draft_tokens=torch.ones(n, dtype=torch.long), relax_mask=torch.full((n, 1), relax),
+        temperature=torch.full((n,), temp), relax_ratio=torch.full((n,), ratio),
+        relax_top_k=torch.full((n,), top_k, dtype=torch.long), relax_delta=torch.full((n,), NAN),
+        draft_probs=q.float().expand(n, 1, -1).contiguous(),
+    )  # fmt: skip
+    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(n) + 17)
+    out = res.output_token_ids[:, 0]  # [N]
+    acc = res.num_accepted == 1  # [N] bool
+    # Exact: accepted drafts are kept; a rejected draft is replaced by a token of the residual
+    # max(0, p - q); relaxable drafts are always accepted, and flagged where p(d) < q(d).
+    assert torch.equal(out[acc], drafts[acc])
+    residual = (p - q).clamp_min(0)
+    assert (residual[out[~acc]] > 0).all(), "a rejected draft was replaced outside the residual"
+    assert acc[relaxed[drafts]].all()
+    assert torch.equal(res.relaxed_accepted[:, 0], acc & relaxed[drafts] & (p[drafts] < q[drafts]))
+    # Statistical: acceptance count, emitted token ~ pi (= p when lossless), bonus token ~ p.
+    assert binomtest(int(acc.sum()), n, acceptance_probability(p, q, relaxed)).pvalue > 1e-4
+    assert chi2_pvalue(out, want) > 1e-4
+    if relax:
+        assert chi2_pvalue(out, p) < 1e-12  # power: these samples tell pi from p
+    else:
+        assert chi2_pvalue(out, q) < 1e-6  # power: and p from the draft distribution
+    assert chi2_pvalue(res.output_token_ids[acc, 1], p) > 1e-4
+
+
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
 gpu = pytest.mark.gpu
@@ -330,20 +382,6 @@ def test_gpu_mixed_batch_and_seeds(v):
 N_GPU = 400_000
 
 
-def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(samples.cpu(), minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, "sampled a token of probability 0"
-    keep = probs > 0
-    return float(chisquare(counts[keep].numpy(), (probs[keep] * samples.numel()).numpy()).pvalue)
-
-
-def _pi(p, q, relaxed):
-    acc = torch.where(relaxed | (q == 0), torch.ones_like(p), torch.clamp(p / q, max=1.0))
-    residual = (p - q).clamp_min(0)
-    residual /= residual.sum()
-    return q * acc + (q * (1 - acc)).sum() * residual
-
-
 @gpu
 @pytest.mark.parametrize("relax", [False, True])
 @pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16])
@@ -360,7 +398,7 @@ def test_gpu_sampling_distributions(relax, logit_dtype):
     x = logits.double() / temp
     rank = (x[None, :] > x[:, None]).sum(-1)
     relaxed = (x > NEG_INF) & (rank < top_k) & (torch.exp(x - x.max()) >= ratio) & relax
-    want = _pi(p, q, relaxed) if relax else p
+    want = pi_distribution(p, q, relaxed) if relax else p
     n = N_GPU
     drafts = torch.multinomial(q.float(), n, replacement=True, generator=gen)
     kw = dict(
@@ -374,12 +412,12 @@ def test_gpu_sampling_distributions(relax, logit_dtype):
         draft_probs=q.float().cuda().expand(n, 1, v).contiguous(),
     )  # fmt: skip
     res = rejection_sample(**kw, generator=torch.Generator(device="cuda").manual_seed(7))
-    assert _chi2_pvalue(res.output_token_ids[:, 0], want) > 1e-4
+    assert chi2_pvalue(res.output_token_ids[:, 0], want) > 1e-4
     if relax:
-        assert _chi2_pvalue(res.output_token_ids[:, 0], p) < 1e-12
+        assert chi2_pvalue(res.output_token_ids[:, 0], p) < 1e-12
     # Bonus rows (all drafts accepted) come from row 1, which equals row 0 here: also ~ p.
     bonus = res.output_token_ids[res.num_accepted == 1, 1]
-    assert _chi2_pvalue(bonus, p) > 1e-4
+    assert chi2_pvalue(bonus, p) > 1e-4
 
 
 @gpu
@@ -404,7 +442,7 @@ def test_gpu_large_vocab_race_spans_tiles():
     first = res.output_token_ids[:, 0].cpu().contiguous()
     assert torch.isin(first, ids).all()
     pos = torch.searchsorted(ids, first)
-    assert _chi2_pvalue(pos, p_small) > 1e-4  # lossless: the emitted token ~ p
+    assert chi2_pvalue(pos, p_small) > 1e-4  # lossless: the emitted token ~ p
     acc = (res.num_accepted == 1).float().mean().item()
     assert abs(acc - float(p_small[2])) < 5 / math.sqrt(n)
 

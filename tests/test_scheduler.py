@@ -234,16 +234,34 @@ def test_stop_strings_on_incremental_text(include):
     assert s.output_token_ids == text_ids("hello END")
 
 
+def _commit_through_scheduler(stream: list[int], per_step: int) -> tuple[Sequence, int, BlockManager]:
+    """Feeds stream to one request with stop string "##" through Scheduler.schedule/postprocess,
+    per_step tokens per step; returns (the request, steps taken, its block manager)."""
+    sched, bm, _ = make_scheduler()
+    sched.tokenizer = CharTokenizer()
+    s = seq("a", [65], 50, stop="##")
+    sched.add(s)
+    steps = 0
+    while sched.has_unfinished_requests():
+        assert steps * per_step < len(stream), "the stream ran out before the stop string"
+        out = sched.schedule()
+        sched.postprocess(out, [stream[steps * per_step : (steps + 1) * per_step]])
+        steps += 1
+    return s, steps, bm
+
+
 def test_multi_token_commit_stops_where_single_steps_would():
-    tok = CharTokenizer()
+    # One token per step (plain decode) against the whole stream in one step (a speculative round's
+    # accepted run): the multi-token commit must stop at the stop string, drop what follows, free.
     stream = text_ids("abc##def")
-    single = seq("a", [65], 50, stop="##")
-    for t in stream:
-        if commit_token(single, t, max_model_len=100, tokenizer=tok):
-            break
-    batched = commit_all(seq("b", [65], 50, stop="##"), stream, tokenizer=tok)
+    single, single_steps, single_bm = _commit_through_scheduler(stream, 1)
+    batched, batched_steps, batched_bm = _commit_through_scheduler(stream, len(stream))
+    assert (single_steps, batched_steps) == (5, 1)
     assert single.output_token_ids == batched.output_token_ids == text_ids("abc##")
     assert single.output_text == batched.output_text == "abc"
+    assert single.finish_reason == batched.finish_reason == "stop"
+    assert_all_free(single_bm)
+    assert_all_free(batched_bm)
 
 
 def test_stop_token_text_is_dropped_unless_requested():

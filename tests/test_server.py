@@ -534,27 +534,13 @@ def test_add_failure_fails_one_request_only(local_engine):
 # ---- the bundled toy pair with speculative decoding ---------------------------------------------
 
 
-def _toy_pair_ready() -> str | None:
-    import inspect
-
-    from thinkspec.llm import LLM
-    from thinkspec.toy.assets import TOY_MODELS
-
-    missing = [name for name, path in TOY_MODELS.items() if not (path / "config.json").is_file()]
-    if missing:
-        return f"bundled toy checkpoints not installed: {missing}"
-    if "speculative_config" not in inspect.signature(LLM).parameters:
-        return "the engine has no speculative decoding yet"
-    return None
-
-
 @pytest.mark.slow
 def test_toy_pair_speculative_relaxed_stream_matches():
-    why = _toy_pair_ready()
-    if why is not None:
-        pytest.skip(why)
+    from thinkspec.toy.assets import TOY_MODELS
     from thinkspec.toy.task import generate_samples
 
+    missing = [name for name, path in TOY_MODELS.items() if not (path / "config.json").is_file()]
+    assert not missing, f"bundled toy checkpoints missing: {missing}"
     prompt = generate_samples(1, seed=20261130)[0].prompt  # "<|im_start|>user\n{question}<|im_end|>..."
     question = prompt.removeprefix("<|im_start|>user\n").split("<|im_end|>")[0]
     messages = [{"role": "user", "content": question}]

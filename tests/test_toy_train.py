@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -150,8 +151,29 @@ def test_strict_speculation_is_lossless_and_matches_teacher_forcing(pair):
     assert sum(self_tf.rounds.values()) == sum(math.ceil(len(o) / 5) for o in greedy)
 
 
+def _off_greedy_tokens(target, prompts, outs, ids):
+    """(token, phase before it) for every output token that is not the target's greedy choice on its
+    prefix, found by teacher forcing: in greedy speculation only a relaxed acceptance emits one."""
+    found = []
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = target(torch.tensor([p + o])).logits[0]  # [len(p) + len(o), V]
+        greedy = logits[len(p) - 1 : len(p) + len(o) - 1].argmax(-1).tolist()
+        marks = [t for t in p if t in (ids.think_start, ids.think_end)]
+        thinking = bool(marks) and marks[-1] == ids.think_start
+        for t, g in zip(o, greedy):
+            if t != g:
+                found.append((t, thinking))
+            thinking = t == ids.think_start or (thinking and t != ids.think_end)
+    return found
+
+
 def test_relaxed_acceptance_bounds(pair):
-    _, target, draft, prompts, ids = pair
+    tok, target, draft, prompts, ids = pair
+    # The thinking prompts, and the same prompts with the think block closed and an answer begun
+    # (answer phase; there the draft often disagrees with the target, so relaxing would show).
+    closed = tok("</think>\n\n**Answer:** ", add_special_tokens=False)["input_ids"]
+    prompts = prompts + [p + closed for p in prompts]
     strict, st, _ = speculative_generate(target, draft, prompts, ids, k=4, max_new_tokens=24)
     same, st1, _ = speculative_generate(target, draft, prompts, ids, k=4, max_new_tokens=24,
                                         relax=Relax(1.0, 1))
@@ -160,8 +182,29 @@ def test_relaxed_acceptance_bounds(pair):
                                          relax=Relax(0.0, 64))
     assert st0.relaxed_only > 0
     assert st0.mean_acceptance_length("thinking") > st.mean_acceptance_length("thinking")
-    # Only thinking-phase, non-protected drafts may be relaxed; outputs still end at EOS or the cap.
-    assert all(len(o) <= 24 for o in loose)
+    # Only thinking-phase, non-protected drafts may be relaxed: every token off the target's greedy
+    # path was emitted while thinking and is not protected.
+    off = _off_greedy_tokens(target, prompts, loose, ids)
+    assert 0 < len(off) <= st0.relaxed_only  # fewer when a run is cut at EOS or max_new_tokens
+    assert all(thinking for _, thinking in off), off
+    assert not {t for t, _ in off} & set(ids.protected)
+    # Answer-phase requests that never open a think block are decoded exactly as strict.
+    answer_only = [(s, lo) for s, lo in zip(strict[3:], loose[3:]) if ids.think_start not in lo]
+    assert answer_only and all(s == lo for s, lo in answer_only)
+    assert st.mean_acceptance_length("answer") < 3  # ... and the answer phase had drafts to relax
+    assert _off_greedy_tokens(target, prompts, strict, ids) == []  # the oracle finds none in strict
+    # A draft that always proposes </think> (protected): relaxation must never accept it, while
+    # thinking, where everything else would pass.
+    pushy = copy.deepcopy(draft)
+    head = torch.nn.Linear(pushy.lm_head.in_features, pushy.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(pushy.lm_head.weight)
+        head.bias.zero_()
+        head.bias[ids.think_end] = 100.0
+    pushy.lm_head = head
+    pushed, _, _ = speculative_generate(target, pushy, prompts[:3], ids, k=4, max_new_tokens=24,
+                                        relax=Relax(0.0, 64))
+    assert not {t for t, _ in _off_greedy_tokens(target, prompts[:3], pushed, ids)} & set(ids.protected)
 
 
 def test_fork_agreement_splits_forks_from_determined_tokens(pair):

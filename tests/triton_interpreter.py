@@ -17,12 +17,13 @@ interp = pytest.mark.skipif(
 parent_only = pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreter run")
 
 
-def run_interpreter_cases(test_file: str) -> None:
-    """Run test_file's `test_interp_` cases under TRITON_INTERPRET=1; fail unless all of them pass."""
+def run_interpreter_cases(test_file: str, select: str = "test_interp_") -> None:
+    """Run test_file's cases matching the pytest -k expression `select` (default: every `test_interp_`
+    case) under TRITON_INTERPRET=1; fail unless all of them pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-         test_file, "-k", "test_interp_"],
+         test_file, "-k", select],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
