@@ -88,7 +88,8 @@ class EngineArgs:
     )
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _option(
         None,
-        "speculative decoding as a SpeculativeConfig, a dict or JSON, e.g. '{\"method\": \"draft_model\", "
+        "speculative decoding: a SpeculativeConfig, a dict or (on the command line) a JSON object, "
+        "e.g. '{\"method\": \"draft_model\", "
         '"model": "PATH", "num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
         "\"relax_top_k\": 3}'",
         type=json_arg,
