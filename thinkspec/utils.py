@@ -58,7 +58,8 @@ def detokenize_incrementally(
 def _decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     """decode(ids, skip_special_tokens) for this tokenizer. A fast (Rust-backed) HF tokenizer that
     does no clean-up of spaces decodes exactly what its `tokenizers` backend decodes: call the
-    backend directly (the Python wrapper costs ~10x the decode itself, twice per token per step)."""
+    backend directly (the Python wrapper costs several times the decode itself, twice per token per step;
+    docs/BENCHMARKS.md, "Figures behind code choices")."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)

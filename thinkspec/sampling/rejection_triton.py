@@ -43,7 +43,7 @@ STATS_WARPS = 8
 # Registers per thread the stats launch is held to (tests/test_kernels_compile.py checks that at
 # most a value or two spills, outside the loops). It fixes how many programs fit on an SM at once,
 # so the grid can be one full wave: a second, partial wave of long programs costs about as much as
-# the first (measured on the H200 at 320 rows: 1.41 waves 1.56x the floor, 0.81 waves 1.39x).
+# the first (docs/BENCHMARKS.md, "Figures behind code choices").
 STATS_MAXNREG = 48
 # The stats launch also runs the accept logic (last-block pattern) instead of a second launch.
 FUSE_ACCEPT = True
