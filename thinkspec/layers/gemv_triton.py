@@ -3,7 +3,8 @@
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the weights
 once. cuBLAS reaches the HBM rate on the large projections but not on the small ones (q/k/v, o,
 down at the Qwen3-8B shape, where a kernel's ramp and tail are a large share of the read; sizes
-and times in docs/BENCHMARKS.md, "Figures behind code choices"), and it splits K with a separate reduction launch. This kernel streams each weight
+and times in docs/BENCHMARKS.md, "Figures behind code choices"),
+and it splits K with a separate reduction launch. This kernel streams each weight
 row block once, in one launch, with the whole K of an output block in one program, so no
 cross-program reduction is needed:
 
