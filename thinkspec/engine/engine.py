@@ -21,6 +21,7 @@ from thinkspec.engine.model_runner import (
     measure_cuda_graph_memory,
     use_triton_kernels,
 )
+from thinkspec.engine.request_checks import check_prompt_input, check_stop_token_ids, token_vocab_size
 from thinkspec.engine.scheduler import Scheduler, SchedulerOutput
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.models.loader import LOAD_FORMATS
@@ -380,8 +381,10 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_prompt_input(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt(request_id, token_ids)
+        check_stop_token_ids(request_id, params, token_vocab_size(self.tokenizer, self.model_info.vocab_size))
         if params.relaxed_thinking and (self.speculator is None or self.reasoning is None):
             raise ValueError(
                 f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "
@@ -427,7 +430,7 @@ class LLMEngine:
                 f"request {request_id!r}: prompt has {n} tokens, more than the limit of "
                 f"{self.max_model_len} ({why})"
             )
-        vocab = self.model_info.vocab_size
+        vocab = token_vocab_size(self.tokenizer, self.model_info.vocab_size)
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {request_id!r}: token id {bad} is outside the vocabulary [0, {vocab})")
