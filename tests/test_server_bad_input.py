@@ -27,6 +27,7 @@ MAX_MODEL_LEN = 96
 MAX_TOKENS_LIMIT = 32
 MAX_BYTES = 4096
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +265,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(client, case):
     _, method, path, body, headers, status, param, code = case
-    kwargs = {"headers": headers}
+    kwargs = {"headers": {**JSON, **headers}}
     if isinstance(body, bytes):
         kwargs["content"] = body
     elif body is not None:
@@ -296,7 +297,7 @@ def test_streamed_body_over_limit_without_content_length(client):
             yield b"a" * 256
         yield b'"}'
 
-    r = client.post(COMP, content=chunks(), headers=AUTH)
+    r = client.post(COMP, content=chunks(), headers={**AUTH, **JSON})
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
 
@@ -305,7 +306,10 @@ def test_server_still_serves_after_bad_input(client, engine):
     for case in CASES[:10]:
         body = case[3]
         client.request(
-            case[1], case[2], content=body if isinstance(body, bytes) else json.dumps(body), headers=AUTH
+            case[1],
+            case[2],
+            content=body if isinstance(body, bytes) else json.dumps(body),
+            headers={**AUTH, **JSON},
         )
     r = client.post(CHAT, json=chat(temperature=0.0), headers=AUTH)
     assert r.status_code == 200
