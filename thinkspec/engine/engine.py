@@ -14,6 +14,7 @@ import torch
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
+from thinkspec.engine.faults import recover_from_step_fault
 from thinkspec.engine.model_runner import (
     ModelRunner,
     determine_kv_cache_memory,
@@ -460,6 +461,16 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """_step(), where an exception fails the requests that caused it and not the engine: see
+        faults.recover_from_step_fault. Errors of the device itself are re-raised."""
+        pending = list(self._pending_outputs)
+        unfinished = list(self.scheduler.requests.values())
+        try:
+            return self._step(finished_only)
+        except Exception as error:  # noqa: BLE001 - attributed to requests, or re-raised
+            return recover_from_step_fault(self, error, finished_only, pending, unfinished)
+
+    def _step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model, sample, commit. Returns outputs of requests that produced
         tokens or finished this step (cumulative text and token ids); with finished_only, of the
         requests that finished (what LLM.generate needs: no per-step copies of running outputs).
