@@ -14,12 +14,19 @@ PROMPTS = ["q30", "q45", "q3", "q23", "hello", "abc"]
 BAD = "r2"  # the request the injected fault follows
 
 
-def make_engine(spec: bool) -> LLMEngine:
+def make_engine(mode: str) -> LLMEngine:
+    """mode: "plain", "speculative" (the checkpoint drafts for itself) or "async" (async scheduling:
+    a fault may hit while a step's tokens are still in flight)."""
     path = tiny_checkpoint("qwen3", tied=True)
-    speculative = {"model": str(path), "num_speculative_tokens": 2} if spec else None
-    return LLMEngine(
-        EngineConfig(model=str(path), device="cpu", max_model_len=96, speculative_config=speculative)
+    speculative = {"model": str(path), "num_speculative_tokens": 2} if mode == "speculative" else None
+    config = EngineConfig(
+        model=str(path),
+        device="cpu",
+        max_model_len=96,
+        speculative_config=speculative,
+        async_scheduling=mode == "async",
     )
+    return LLMEngine(config)
 
 
 def params(i: int) -> SamplingParams:
@@ -56,15 +63,15 @@ def inject(engine: LLMEngine, error: Exception, after_calls: int = 2) -> None:
     runner.execute_model = execute_model
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "speculative"])
+@pytest.mark.parametrize("mode", ["plain", "speculative", "async"])
 @pytest.mark.parametrize(
     "error, status",
     [(RuntimeError("kernel exploded"), 500), (OverflowError("value too large"), 400)],
     ids=["internal", "input"],
 )
-def test_fault_fails_only_its_request(spec, error, status):
-    reference = run(make_engine(spec))
-    engine = make_engine(spec)
+def test_fault_fails_only_its_request(mode, error, status):
+    reference = run(make_engine(mode))
+    engine = make_engine(mode)
     inject(engine, error)
     outputs = run(engine)
     bad = outputs[BAD]
@@ -90,7 +97,7 @@ def test_fault_fails_only_its_request(spec, error, status):
 def test_input_fault_found_by_recheck_is_a_400():
     """A stop token id the engine cannot index (slipped past add_request) is attributed to the
     input: 400 naming the field."""
-    engine = make_engine(False)
+    engine = make_engine("plain")
     engine.add_request("q30", SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4), "ok")
     engine.add_request("q45", SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4), BAD)
     engine.scheduler.requests[BAD].sampling_params.stop_token_ids = [10**6]
@@ -113,7 +120,7 @@ def test_input_fault_found_by_recheck_is_a_400():
 
 
 def test_device_failure_is_not_isolated():
-    engine = make_engine(False)
+    engine = make_engine("plain")
     inject(engine, RuntimeError("CUDA error: an illegal memory access was encountered"), after_calls=1)
     engine.add_request("q30", SamplingParams(temperature=0.0, max_tokens=4), BAD)
     with pytest.raises(RuntimeError, match="CUDA error"):
@@ -135,7 +142,7 @@ def test_server_answers_a_fault_in_openai_shape_and_stays_up():
     from thinkspec.entrypoints.openai.server import build_app
     from thinkspec.entrypoints.openai.serving import ServingConfig
 
-    llm_engine = make_engine(False)
+    llm_engine = make_engine("plain")
     real = llm_engine.model_runner.execute_model
     faults = {
         "boom": RuntimeError("kernel exploded"),

@@ -340,3 +340,15 @@ def test_engine_add_request_refuses_bad_ids_and_text(engine):
 def _add_direct(llm_engine, prompt, params):
     # Every call here fails its checks before anything is queued, so the engine thread is untouched.
     llm_engine.add_request(prompt, params, "direct-check")
+
+
+def test_llm_generate_fails_bad_inputs_alone():
+    """LLM.generate: a prompt the engine refuses (ValueError inside) fails alone with its reason."""
+    from thinkspec.llm import LLM
+
+    path = tiny_checkpoint("qwen3", tied=True, vocab_size=PADDED_VOCAB)
+    llm = LLM(str(path), device="cpu", max_model_len=96)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    outs = llm.generate([[1, TOKENIZER_SIZE], "a\udfffb", [1, 2, 3]], params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length"]
+    assert "outside the vocabulary" in outs[0].error and "not valid unicode" in outs[1].error
