@@ -146,6 +146,7 @@ def test_server_answers_a_fault_in_openai_shape_and_stays_up():
     real = llm_engine.model_runner.execute_model
     faults = {
         "boom": RuntimeError("kernel exploded"),
+        "huge": OverflowError("Python int too large to convert to C long"),
         "gone": RuntimeError("CUDA error: unspecified launch failure"),
     }
 
@@ -170,6 +171,8 @@ def test_server_answers_a_fault_in_openai_shape_and_stays_up():
         with client.stream("POST", "/v1/completions", json={**body, "prompt": "boom", "stream": True}) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "kernel exploded" in events[-2]
+        r = client.post("/v1/completions", json={**body, "prompt": "huge"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_input"
         assert client.get("/health").status_code == 200
         again = client.post("/v1/completions", json=body).json()
         assert again["choices"] == ok["choices"]
