@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from checkpoints import TOKENIZER_SIZE, tiny_checkpoint
 
 pytest.importorskip("fastapi")
@@ -312,7 +313,7 @@ def test_allowed_origins_get_cors(engine):
         ({"top_k": 10**400}, "top_k"),
         ({"seed": 2**63}, "seed"),
         ({"max_tokens": 2**63}, "max_tokens"),
-        ({"min_tokens": 2**63}, "min_tokens"),
+        ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
         ({"min_tokens": True}, "min_tokens"),
         ({"stop_token_ids": [2**63]}, "stop_token_ids"),
         ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
@@ -325,6 +326,16 @@ def test_allowed_origins_get_cors(engine):
 def test_sampling_params_refuse_what_the_engine_cannot_hold(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**kwargs)
+
+
+def test_top_k_past_int32_is_packed_as_off():
+    """A top_k no vocabulary reaches is "off" on the device: it must not go through float64
+    packing, where 2**63 - 1 rounds to 2**63 and overflows int64."""
+    from thinkspec.sampling.sampler import MAX_TOP_K, SamplingTensors
+
+    params = [SamplingParams(top_k=k) for k in (2**63 - 1, MAX_TOP_K + 1, MAX_TOP_K, 5)]
+    tensors = SamplingTensors.from_params(params, torch.device("cpu"))
+    assert tensors.top_k.tolist() == [0, 0, MAX_TOP_K, 5]
 
 
 def test_engine_add_request_refuses_bad_ids_and_text(engine):
