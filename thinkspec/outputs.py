@@ -60,4 +60,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); None otherwise
+    error_status: int | None = None  # with error: 400 when the request's input caused it, 500 otherwise
     num_cached_tokens: int = field(default=0)

@@ -9,6 +9,30 @@ from thinkspec.config import validate_relax_fields
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# Integers travel to the device as int64; anything wider cannot be held.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Every stop string is searched for after every new token of its request, on the thread that runs
+# all requests, so their number and length are capped.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters (a 400-digit integer is echoed by its head only)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int, what: str | None = None) -> None:
+    allowed = what or f"an integer in [{lo}, {hi}]"
+    if not _is_int(value) or not lo <= value <= hi:  # type: ignore[operator]
+        raise ValueError(f"{name} must be {allowed}, got {_show(value)}")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -16,7 +40,9 @@ class SamplingParams:
 
     Sampling order per row: temperature, then top-k, top-p, min-p on the scaled logits
     (HF transformers' order). The speculative fields (relaxed_thinking, relax_*) default to
-    None, meaning "use the engine's SpeculativeConfig".
+    None, meaning "use the engine's SpeculativeConfig". Integers must fit int64; at most
+    MAX_STOP_STRINGS stop strings of at most MAX_STOP_STRING_CHARS characters each and
+    MAX_STOP_TOKEN_IDS stop token ids (the engine also checks those against its vocabulary).
     """
 
     n: int = 1
@@ -39,31 +65,40 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: thinkspec generates one completion per request")
+            raise ValueError(
+                f"n={_show(self.n)} is not supported: thinkspec generates one completion per request"
+            )
         _check_number("temperature", self.temperature, lo=0.0)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, what="(0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+        _check_int("top_k", self.top_k, -1, INT64_MAX, f"-1 or 0 (off) or an integer in [1, {INT64_MAX}]")
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0, what="[0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+        if self.seed is not None:
+            _check_int(
+                "seed", self.seed, INT64_MIN, INT64_MAX, f"an integer in [{INT64_MIN}, {INT64_MAX}] or None"
             )
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT64_MAX, f"an integer in [1, {INT64_MAX}] or None")
+        _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {_show(self.stop)}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            longest = max(len(s) for s in stop)
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}"
+            )
         self.stop = stop
         ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in ids):
+            raise ValueError(
+                f"stop_token_ids must be integers in [0, {INT64_MAX}], got {_show(self.stop_token_ids)}"
+            )
         self.stop_token_ids = ids
         (self.relaxed_thinking, self.relax_ratio, self.relax_top_k, self.relax_delta) = validate_relax_fields(
             relaxed_thinking=self.relaxed_thinking,
@@ -88,7 +123,14 @@ def _check_number(
 ) -> None:
     allowed = what or (f">= {lo}" if hi is None else f"[{lo}, {hi}]")
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number in {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be a number in {allowed}, got {_show(value)}")
+    if isinstance(value, int):
+        try:
+            value = float(value)  # an integer too large for a float is out of every range here
+        except OverflowError:
+            raise ValueError(f"{name} must be in {allowed}, got {_show(value)}") from None
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number in {allowed}, got {value}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ValueError(f"{name} must be in {allowed}, got {value}")
     if hi is not None and value > hi:

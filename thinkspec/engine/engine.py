@@ -11,6 +11,8 @@ import torch
 
 from thinkspec.engine.async_scheduling import InFlight, TokenCopies
 from thinkspec.engine.factory import build_engine_parts
+from thinkspec.engine.faults import recover_from_step_fault
+from thinkspec.engine.request_checks import check_prompt_input, check_stop_token_ids, token_vocab_size
 from thinkspec.engine.scheduler import SchedulerOutput
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.engine_args import EngineArgs
@@ -69,8 +71,10 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_prompt_input(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt(request_id, token_ids)
+        check_stop_token_ids(request_id, params, token_vocab_size(self.tokenizer, self.model_info.vocab_size))
         if params.relaxed_thinking and (self.speculator is None or self.reasoning is None):
             raise ValueError(
                 f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "
@@ -117,7 +121,7 @@ class LLMEngine:
                 f"request {request_id!r}: prompt has {n} tokens, more than the limit of "
                 f"{self.max_model_len} ({why})"
             )
-        vocab = self.model_info.vocab_size
+        vocab = token_vocab_size(self.tokenizer, self.model_info.vocab_size)
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {request_id!r}: token id {bad} is outside the vocabulary [0, {vocab})")
@@ -145,6 +149,16 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """_step(), where an exception fails the requests that caused it and not the engine: see
+        faults.recover_from_step_fault. Errors of the device itself are re-raised."""
+        pending = list(self._pending_outputs)
+        unfinished = list(self.scheduler.requests.values())
+        try:
+            return self.run_step(finished_only)
+        except Exception as error:  # noqa: BLE001 - attributed to requests, or re-raised
+            return recover_from_step_fault(self, error, finished_only, pending, unfinished)
+
+    def run_step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model, sample, commit. Returns outputs of requests that produced
         tokens or finished this step (cumulative text and token ids); with finished_only, of the
         requests that finished (what LLM.generate needs: no per-step copies of running outputs).
@@ -174,6 +188,14 @@ class LLMEngine:
             changed = self.scheduler.apply(sched, spec.step(sched))
             return outputs + self._outputs(changed, finished_only)
         return outputs + self._plain_step(sched, flight, finished_only)
+
+    def drop_in_flight(self) -> None:
+        """Forget a step left in flight; its sequences recompute their last input position (and
+        sample that token again) in the next step."""
+        flight, self._in_flight = self._in_flight, None
+        for _, seq in flight.pending if flight is not None else ():
+            if not seq.is_finished:
+                self.scheduler.rollback_pending(seq)
 
     def _plain_step(
         self, sched: SchedulerOutput, flight: InFlight | None, finished_only: bool

@@ -194,6 +194,12 @@ class Scheduler:
             raise RuntimeError(f"request {seq.request_id!r} has no pending token")
         return self.commit(seq, StepOutcome([token_id], seq.num_computed_tokens))
 
+    def rollback_pending(self, seq: Sequence) -> None:
+        """Drop seq's PENDING_TOKEN and its K/V pointer with it: the position is computed again."""
+        if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+            seq.token_ids.pop()
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+
     def can_run_ahead(self, pending: Seq[Sequence]) -> bool:
         """Whether the next step may launch before pending's tokens commit: it must decode exactly
         those sequences, none of which can finish by length with its pending token (those are known
@@ -237,6 +243,12 @@ class Scheduler:
         if lookahead and remaining > 1 and seq.num_output_tokens > 0:
             return remaining - 1
         return remaining
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """Finish seq with reason "error" (message in seq.error) and free its blocks."""
+        seq.finish("error")
+        seq.error = message
+        self._free(seq)
 
     def _slots_needed(self, seq: Sequence, num_computed: int, num_new: int, lookahead: int) -> int:
         end = num_computed + num_new

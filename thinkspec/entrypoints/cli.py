@@ -109,6 +109,18 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=1 << 20,
         help="largest request body; larger ones get 413 (default: %(default)s)",
     )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds requests in flight may finish after SIGTERM/SIGINT; what is left then gets 503 "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="comma-separated browser origins allowed by CORS, or '*' (default: none, no CORS)",
+    )
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -21,6 +21,7 @@ import torch
 from thinkspec.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+MAX_TOP_K = 2**31 - 1  # larger top_k values mean "no top-k filter"
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -48,7 +49,8 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingTensors:
         greedy = [p.is_greedy for p in params]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        # A k beyond any vocabulary keeps every token: off, and it would not survive float64 packing.
+        top_k = [p.top_k if 0 < p.top_k <= MAX_TOP_K else 0 for p in params]
         # One host->device copy: rows temperature, top_k, top_p, min_p, greedy as float64
         # (exact for every int top_k a vocabulary can have).
         packed = torch.tensor(

@@ -102,5 +102,9 @@ class ServerMetrics:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(completion.token_ids))
 
+    def observe_aborted_early(self) -> None:
+        """Count one request aborted before the engine produced any output for it."""
+        self.request_success.labels("abort").inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

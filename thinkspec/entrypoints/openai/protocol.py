@@ -131,6 +131,8 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # nested past the interpreter's limit; shallower nesting is check_body's
+        raise OpenAIError("the request body is nested too deeply", code="too_deep") from None
     if not isinstance(data, dict):
         raise OpenAIError(
             f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json"

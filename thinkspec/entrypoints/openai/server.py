@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these three need the
 API key when one is set), GET /health, GET /metrics. Every error is an OpenAI error object:
-{"error": {"message", "type", "param", "code"}}.
+{"error": {"message", "type", "param", "code"}}. Browser safety (Host, Origin, JSON bodies) is
+guards.py's; the drain on SIGTERM/SIGINT is drain.py's.
 """
 
 from __future__ import annotations
@@ -11,18 +12,23 @@ import argparse
 import asyncio
 import contextlib
 import secrets
+import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from types import FrameType
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine
+from thinkspec.entrypoints.openai.drain import Drain
+from thinkspec.entrypoints.openai.guards import RequestGuard, is_loopback
 from thinkspec.entrypoints.openai.metrics import ServerMetrics
 from thinkspec.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -32,6 +38,7 @@ from thinkspec.entrypoints.openai.protocol import (
     parse_request,
 )
 from thinkspec.entrypoints.openai.serving import OpenAIServing, ServingConfig
+from thinkspec.entrypoints.openai.validation import check_body
 from thinkspec.utils import logger
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -87,45 +94,32 @@ def build_app(
     *,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_origins: Sequence[str] = (),
+    loopback_only: bool = False,
+    drain: Drain | None = None,
 ) -> FastAPI:
-    """The app for one started AsyncLLMEngine; the caller owns the engine's lifecycle."""
+    """The app for one started AsyncLLMEngine; the caller owns the engine's lifecycle.
+
+    allowed_origins: browser origins that get CORS headers ("*" = any; none: no CORS, and browser
+    requests carrying an Origin are refused). loopback_only: refuse Host names that are not
+    loopback names (for a server bound to loopback). drain: the state a graceful shutdown drives
+    (app.state.drain; a fresh one by default).
+    """
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, config, metrics)
+    drain = drain or Drain()
+    serving = OpenAIServing(engine, config, metrics, drain)
     created = int(time.time())
     app = FastAPI(title="thinkspec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return _error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        message = f"{request.method} {request.url.path}: {e.detail}"
-        return _error_response(OpenAIError(message, status=e.status_code, code=codes.get(e.status_code)))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _error_response(OpenAIError(str(e), code="invalid_request"))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500))
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise OpenAIError("missing or incorrect API key", status=401, code="invalid_api_key")
+    app.state.drain = drain
+    _install_guards(app, allowed_origins, loopback_only, drain)
+    _install_error_handlers(app)
+    check_api_key = _api_key_check(api_key)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -142,6 +136,7 @@ def build_app(
 
     async def respond(request: Request, handler: Any, model: type) -> Response:
         body = parse_json_body(await _read_body(request, max_request_bytes))
+        check_body(body)
         req = parse_request(model, body)
         if not req.stream:
             result = await _unless_disconnected(request, handler(req))
@@ -174,6 +169,60 @@ def build_app(
     return app
 
 
+def _install_guards(app: FastAPI, allowed_origins: Sequence[str], loopback_only: bool, drain: Drain) -> None:
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    # Added last, so it runs first: refusals happen before CORS or any route.
+    app.add_middleware(
+        RequestGuard,
+        draining=lambda: drain.draining,
+        loopback_only=loopback_only,
+        allowed_origins=allowed_origins,
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return _error_response(OpenAIError(message, status=e.status_code, code=codes.get(e.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(OpenAIError(str(e), code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500))
+
+
+def _api_key_check(api_key: str | None) -> Any:
+    """The dependency that checks the bearer token (a no-op without a key)."""
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError("missing or incorrect API key", status=401, code="invalid_api_key")
+
+    return check_api_key
+
+
 def _check_server_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -183,6 +232,51 @@ def _check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens-limit must be >= 1, got {args.max_tokens_limit}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+
+
+def parse_origins(value: str | None) -> list[str]:
+    """--allowed-origins "a,b" -> ["a", "b"]; None -> []."""
+    return [o.strip() for o in (value or "").split(",") if o.strip()]
+
+
+class _DrainingServer:
+    """uvicorn.Server whose first SIGTERM/SIGINT drains (drain.py) before exiting with status 0;
+    a second one exits at once. (A factory: uvicorn is imported only by run_server.)"""
+
+    @staticmethod
+    def make(config: Any, engine: AsyncLLMEngine, drain: Drain, timeout: float) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def serve(self, sockets: Any = None) -> None:
+                self._drain_loop = asyncio.get_running_loop()
+                self._drain_task: asyncio.Task[None] | None = None
+                await super().serve(sockets)
+
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and
+                # the default handler would end the process with the signal instead of status 0.
+                loop = getattr(self, "_drain_loop", None)
+                if loop is None or self._drain_task is not None or self.should_exit:
+                    self.force_exit = self.should_exit
+                    self.should_exit = True
+                    return
+                logger.info("got %s: draining", signal.Signals(sig).name)
+                drain.draining = True
+                loop.call_soon_threadsafe(self._begin_drain)
+
+            def _begin_drain(self) -> None:
+                async def drain_then_exit() -> None:
+                    try:
+                        await drain.run(engine, timeout)
+                    finally:
+                        self.should_exit = True
+
+                self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+        return Server(config)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -215,10 +309,22 @@ def run_server(args: argparse.Namespace) -> int:
     )
     engine = AsyncLLMEngine(llm_engine)
     engine.start()
+    drain = Drain()
     try:
-        app = build_app(engine, config, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+        app = build_app(
+            engine,
+            config,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+            allowed_origins=parse_origins(args.allowed_origins),
+            loopback_only=is_loopback(args.host),
+            drain=drain,
+        )
         logger.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+        uv_config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
+        )
+        _DrainingServer.make(uv_config, engine, drain, args.shutdown_timeout).run()
     finally:
         engine.shutdown()
     return 0

@@ -8,6 +8,7 @@ request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from thinkspec.entrypoints.openai.drain import Drain
 from thinkspec.entrypoints.openai.metrics import ServerMetrics
 from thinkspec.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,7 +52,15 @@ def _usage(out: RequestOutput) -> dict[str, int]:
 def _finish_reason(out: RequestOutput) -> str:
     reason = out.outputs[0].finish_reason
     if reason == "error":
-        raise OpenAIError(out.error or "the request failed in the engine", status=500)
+        status = out.error_status or 500
+        code = "invalid_input" if status < 500 else "engine_error"
+        raise OpenAIError(out.error or "the request failed in the engine", status=status, code=code)
+    if reason == "abort":  # only the drain aborts a request whose client is still there
+        raise OpenAIError(
+            "the server is shutting down; the request was ended before it finished",
+            status=503,
+            code="server_shutting_down",
+        )
     return reason or "stop"
 
 
@@ -75,10 +85,17 @@ class _TextStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, config: ServingConfig, metrics: ServerMetrics | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        config: ServingConfig,
+        metrics: ServerMetrics | None,
+        drain: Drain | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        self.drain = drain or Drain()
         llm_engine = engine.engine
         self.tokenizer = llm_engine.tokenizer
         self.reasoning = llm_engine.reasoning  # ResolvedReasoning or None
@@ -98,14 +115,19 @@ class OpenAIServing:
             )
 
     def sampling_params(
-        self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        max_tokens: int | None,
+        max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
+        """max_tokens_field: the request field max_tokens came from, named in errors."""
         check_unsupported(req)
         limit = self.config.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:
+            shown = str(max_tokens) if max_tokens < 10**20 else f"{str(max_tokens)[:20]}... (too large)"
             raise OpenAIError(
-                f"max_tokens must be at most {limit}, got {max_tokens}",
-                param="max_tokens",
+                f"{max_tokens_field} must be at most {limit}, got {shown}",
+                param=max_tokens_field,
                 code="invalid_value",
             )
         kwargs: dict[str, Any] = {}
@@ -132,15 +154,29 @@ class OpenAIServing:
                 **kwargs,
             )
         except ValueError as e:
-            raise sampling_error(e) from None
+            error = sampling_error(e)
+            if error.param == "max_tokens" and max_tokens_field != "max_tokens":
+                error.param = max_tokens_field
+                error.message = f"{max_tokens_field} (as max_tokens): {error.message}"
+            raise error from None
 
     async def _add(self, request_id: str, prompt: Any, params: SamplingParams, param: str) -> RequestStream:
+        if self.drain.closed:
+            raise OpenAIError("the server is shutting down", status=503, code="server_shutting_down")
         try:
-            return await self.engine.add_request(request_id, prompt, params)
+            stream = await self.engine.add_request(request_id, prompt, params)
+            self.drain.active.add(request_id)
+            return stream
+        except asyncio.CancelledError:  # the client left while the request was being queued
+            if self.metrics is not None:
+                self.metrics.observe_aborted_early()
+            raise
         except ValueError as e:
             raise engine_error(e, param) from None
         except EngineDeadError as e:
             raise OpenAIError(str(e), status=503, code="engine_dead") from None
+        except RuntimeError as e:  # the engine thread is gone (shut down) while being asked
+            raise OpenAIError(f"the engine is not running: {e}", status=503, code="engine_dead") from None
 
     async def _collect(self, stream: RequestStream) -> RequestOutput:
         final: RequestOutput | None = None
@@ -148,20 +184,27 @@ class OpenAIServing:
             async for out in stream:
                 final = out
         except EngineDeadError as e:
-            raise OpenAIError(str(e), status=500, code="engine_dead") from None
+            raise OpenAIError(str(e), status=503, code="engine_dead") from None
         finally:
             self._done(stream, final)
         assert final is not None
         return final
 
     def _done(self, stream: RequestStream, last: RequestOutput | None) -> None:
-        """After a stream ends, normally or not: abort if unfinished, and count the request."""
+        """After a stream ends, normally or not: abort if unfinished, and count the request (one
+        that ends before its first output counts as an abort with no tokens)."""
+        self.drain.active.discard(stream.request_id)
         if not stream.finished:
             self.engine.abort(stream.request_id)
-        if self.metrics is not None and last is not None:
-            if not last.finished:
-                last.outputs[0].finish_reason = "abort"
-            self.metrics.observe_finished(last)
+        if self.metrics is None:
+            return
+        if last is None:
+            if not stream.finished:
+                self.metrics.observe_aborted_early()
+            return
+        if not last.finished:
+            last.outputs[0].finish_reason = "abort"
+        self.metrics.observe_finished(last)
 
     # ---- chat ---------------------------------------------------------------------------------
 
@@ -197,7 +240,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = self.sampling_params(req, max_tokens, field)
         prompt = self.chat_prompt(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -302,7 +346,7 @@ class OpenAIServing:
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(last)})
         except EngineDeadError as e:
-            yield _sse(OpenAIError(str(e), status=500, code="engine_dead").to_dict())
+            yield _sse(OpenAIError(str(e), status=503, code="engine_dead").to_dict())
         except OpenAIError as e:
             yield _sse(e.to_dict())
         finally:

@@ -1,0 +1,135 @@
+"""Graceful drain of a real `thinkspec serve` process (drain.py): after SIGTERM new requests get
+503, requests in flight may finish for --shutdown-timeout seconds, the rest end cleanly (503 /
+error event + [DONE]), and the process exits with status 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from thinkspec.toy.assets import TOY_MODELS  # noqa: E402
+
+SHUTDOWN_TIMEOUT_S = 3.0
+STARTUP_TIMEOUT_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def toy_server(*args: str):
+    """`thinkspec serve toy-reasoner` on a free loopback port: yields (process, base URL, log reader)."""
+    if not (TOY_MODELS["toy-reasoner"] / "config.json").is_file():
+        pytest.skip("the bundled toy checkpoint is not installed")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "thinkspec.entrypoints.cli", "serve", "toy-reasoner", "--device", "cpu"]
+    cmd += ["--port", str(port), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+        def log_text() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")[-4000:]
+
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while True:
+                assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_text()}"
+                assert time.monotonic() < deadline, f"server not ready:\n{log_text()}"
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                        break
+                time.sleep(0.2)
+            yield proc, url, log_text
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def body(max_tokens: int, stream: bool) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "What is 12 + 7?"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+
+
+async def read_stream(http, payload: dict, started: asyncio.Event, sent: dict) -> dict:
+    events, after_signal = [], 0
+    async with http.stream("POST", "/v1/chat/completions", json=payload) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                after_signal += "at" in sent
+                if len(events) >= 2:
+                    started.set()
+    return {"events": events, "after_signal": after_signal, "end": time.monotonic()}
+
+
+def test_sigterm_drains_then_ends_the_rest_and_exits_0():
+    with toy_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)) as (proc, url, log_text):
+
+        async def main():
+            sent: dict = {}
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                long_started, short_started = asyncio.Event(), asyncio.Event()
+                long_stream = asyncio.create_task(read_stream(http, body(400, True), long_started, sent))
+                short_stream = asyncio.create_task(read_stream(http, body(24, True), short_started, sent))
+                long_plain = asyncio.create_task(http.post("/v1/chat/completions", json=body(400, False)))
+                await asyncio.wait_for(asyncio.gather(long_started.wait(), short_started.wait()), 60)
+                proc.send_signal(signal.SIGTERM)
+                sent["at"] = time.monotonic()
+                # new requests are refused in OpenAI shape (once the signal is handled)
+                for _ in range(100):
+                    refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                    if refused.status_code == 503:
+                        break
+                    await asyncio.sleep(0.02)
+                return sent, refused, await long_stream, await short_stream, await long_plain
+
+        sent, refused, long_stream, short_stream, long_plain = asyncio.run(main())
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        # the short one was in flight at the signal and finished normally
+        assert short_stream["after_signal"] > 0
+        assert short_stream["events"][-1] == "[DONE]"
+        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in short_stream["events"][:-1]]
+        assert finish[-1] == "length"
+        # the long ones were given the drain time, then ended cleanly
+        assert long_stream["end"] - sent["at"] >= SHUTDOWN_TIMEOUT_S - 0.5
+        assert long_stream["events"][-1] == "[DONE]"
+        error = json.loads(long_stream["events"][-2])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        assert long_plain.status_code == 503
+        assert long_plain.json()["error"]["code"] == "server_shutting_down"
+        assert proc.wait(30) == 0, log_text()
+
+
+def test_sigint_when_idle_exits_0_at_once():
+    with toy_server() as (proc, url, log_text):
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, log_text()
+        assert time.monotonic() - start < 10
