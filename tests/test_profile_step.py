@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The scripts run from benchmarks/, so without this they would import whichever thinkspec is
+# installed instead of this checkout's.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def test_profile_step_smoke(tmp_path):
     out = tmp_path / "step.json"
     cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
            "--steps", "3", "--warmup", "3", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     phases = result["phases_ms"]
@@ -38,7 +42,7 @@ def test_bench_throughput_smoke(tmp_path):
     cmd = [sys.executable, "benchmarks/bench_throughput.py", "--small", "--device", "cpu", "--skip-hf",
            "--batch-sizes", "1,2", "--output-len", "12", "--acceptance-lengths", "3",
            "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["engine"], r["batch"]) for r in rows] == [
@@ -60,6 +64,6 @@ def test_bench_throughput_smoke(tmp_path):
 
     png = tmp_path / "throughput.png"
     cmd = [sys.executable, "benchmarks/plot_throughput.py", str(out), "--out", str(png)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

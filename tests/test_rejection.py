@@ -274,7 +274,7 @@ def test_lossless_sampling_one_hot_draft_yields_p():
 
 
 @pytest.mark.parametrize("ratio, top_k, delta", [(0.15, 3, NAN), (0.1, 6, 0.45), (0.0, 3, 0.45)])
-def test_relaxed_sampling_yieldspi_distribution(ratio, top_k, delta):
+def test_relaxed_sampling_yields_pi(ratio, top_k, delta):
     temp = 0.8
     logits, p, q = dist_setup(seed=2)
     relaxed = relaxed_set(logits, temp, ratio, top_k, delta)
@@ -293,7 +293,7 @@ def test_relaxed_sampling_yieldspi_distribution(ratio, top_k, delta):
     assert torch.equal(res.relaxed_accepted[:, 0], want_flag)
 
 
-def test_relaxed_sampling_one_hot_draft_yieldspi_distribution():
+def test_relaxed_sampling_one_hot_draft_yields_pi():
     temp, ratio, top_k = 0.8, 0.2, 4
     logits, p, _ = dist_setup(seed=3)
     relaxed = relaxed_set(logits, temp, ratio, top_k, NAN)
