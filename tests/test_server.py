@@ -7,12 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from server_process import serve_process  # noqa: E402
 
 from thinkspec.engine.engine import LLMEngine  # noqa: E402
 from thinkspec.engine_args import EngineArgs  # noqa: E402
@@ -37,51 +34,22 @@ from thinkspec.spec_decode.metrics import SpecDecodeMetrics  # noqa: E402
 
 API_KEY = "sk-local"
 MODEL = "tiny"
-STARTUP_TIMEOUT_S = 90.0
 # With the tiny checkpoint some of these prompts make the model write "<think>" mid-answer, so the
 # split has both a content part and a reasoning part.
 PROMPTS = ["q30", "q45", "q3", "q23"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(*args: str) -> Iterator[str]:
-    """Run `thinkspec serve ARGS` on a free loopback port; yields the base URL; always stops it."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "thinkspec.entrypoints.cli", "serve", *args, "--port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-        def log_text() -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")[-4000:]
-
-        url = f"http://127.0.0.1:{port}"
+    """Run `thinkspec serve ARGS` on a free loopback port; yields the base URL; always stops it
+    (SIGTERM first, as an operator would)."""
+    with serve_process(*args) as (proc, url, _):
         try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited with {proc.returncode}:\n{log_text()}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{log_text()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        break
-                time.sleep(0.2)
             yield url
         finally:
             proc.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")

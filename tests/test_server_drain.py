@@ -7,12 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
@@ -20,16 +15,11 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from server_process import serve_process  # noqa: E402
+
 from thinkspec.toy.assets import TOY_MODELS  # noqa: E402
 
 SHUTDOWN_TIMEOUT_S = 3.0
-STARTUP_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -37,32 +27,8 @@ def toy_server(*args: str):
     """`thinkspec serve toy-reasoner` on a free loopback port: yields (process, base URL, log reader)."""
     if not (TOY_MODELS["toy-reasoner"] / "config.json").is_file():
         pytest.skip("the bundled toy checkpoint is not installed")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "thinkspec.entrypoints.cli", "serve", "toy-reasoner", "--device", "cpu"]
-    cmd += ["--port", str(port), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-        def log_text() -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")[-4000:]
-
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_text()}"
-                assert time.monotonic() < deadline, f"server not ready:\n{log_text()}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        break
-                time.sleep(0.2)
-            yield proc, url, log_text
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+    with serve_process("toy-reasoner", "--device", "cpu", *args) as running:
+        yield running
 
 
 def body(max_tokens: int, stream: bool) -> dict:
