@@ -94,6 +94,31 @@ def test_fault_fails_only_its_request(mode, error, status):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_fault_while_committing_an_async_step():
+    """A failure in the middle of committing a step in flight (its tokens already taken off the
+    queue) leaves the other requests' pending tokens undelivered: they are sampled again, and
+    every request but the cause finishes as without the fault."""
+    reference = run(make_engine("async"))
+    engine = make_engine("async")
+    commit = engine.scheduler.commit
+    seen = {"n": 0}
+
+    def failing_commit(seq, token_ids):
+        if seq.request_id == BAD:
+            seen["n"] += 1
+            if seen["n"] >= 3:
+                raise RuntimeError("commit failed")
+        return commit(seq, token_ids)
+
+    engine.scheduler.commit = failing_commit
+    outputs = run(engine)
+    assert outputs[BAD].outputs[0].finish_reason == "error"
+    for rid, ref in reference.items():
+        if rid != BAD:
+            assert outputs[rid].outputs[0].token_ids == ref.outputs[0].token_ids, rid
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_input_fault_found_by_recheck_is_a_400():
     """A stop token id the engine cannot index (slipped past add_request) is attributed to the
     input: 400 naming the field."""

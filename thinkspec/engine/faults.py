@@ -6,8 +6,10 @@ How a fault is attributed (recover_from_step_fault):
 1. An error of the device itself (a CUDA error: the context is unusable afterwards) is re-raised,
    so the engine is reported dead (the server's /health answers 503) with the cause logged.
 2. Requests that finished during the failed step (before it raised) get their final output.
-3. A step left in flight by async scheduling is rolled back: its pending tokens are dropped and
-   their last input position is scheduled again (recomputing K/V writes the same values).
+3. Async scheduling: a step still in flight is committed first, and each probe commits its own
+   step, so probes start from committed state. A request left holding a pending token that no
+   step will deliver (the failure came while committing) drops it, and its last input position
+   is scheduled again (recomputing K/V writes the same values; the token is sampled again).
 4. Every suspect (the running requests and the head of the waiting queue: those the failed step
    scheduled) is probed alone: one step with only that request scheduled. A probe that raises
    fails its request; the others simply made one step of progress. A request that is not the
@@ -20,6 +22,7 @@ How a fault is attributed (recover_from_step_fault):
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -60,7 +63,10 @@ def recover_from_step_fault(
     logger.warning("an engine step failed (%s: %s); isolating the cause", type(error).__name__, error)
     outputs = list(pending)
     outputs += [engine.make_output(s) for s in unfinished if s.is_finished and s.finish_reason != "abort"]
-    _drop_in_flight(engine)
+    if engine._in_flight is not None:  # settle it first, so that probes start from committed state
+        with contextlib.suppress(Exception):  # its requests are probed below
+            outputs += engine._commit_in_flight(finished_only)
+    _repair_pending_tokens(engine)
     sch = engine.scheduler
     suspects = [s for s in sch.running if not s.is_finished]
     if sch.waiting:
@@ -75,18 +81,19 @@ def recover_from_step_fault(
     return outputs
 
 
-def _drop_in_flight(engine: LLMEngine) -> None:
-    """Forget an async-scheduled step whose tokens were not committed; its requests recompute
-    their last input position (and sample that token again) in the next step."""
+def _repair_pending_tokens(engine: LLMEngine) -> None:
+    """Requests whose last token is a placeholder no step in flight will fill (see step 3)."""
     from thinkspec.engine.engine import PENDING_TOKEN
 
-    flight, engine._in_flight = engine._in_flight, None
-    if flight is None:
-        return
-    for _, seq in flight.pending:
-        if not seq.is_finished and seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+    flight = engine._in_flight
+    delivered = {id(seq) for _, seq in flight.pending} if flight is not None else set()
+    for seq in list(engine.scheduler.requests.values()):
+        if id(seq) in delivered:
+            continue
+        if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
             seq.token_ids.pop()
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        # Between steps the last token is never computed yet: it is the next step's input.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
 
 def _probe(
@@ -99,9 +106,12 @@ def _probe(
     sch.running = [seq] if was_running else []
     sch.waiting = deque() if was_running else deque([seq])
     try:
-        return engine._step(finished_only), None
+        outputs = engine._step(finished_only)
+        if engine._in_flight is not None:  # async scheduling: commit within the probe too
+            outputs += engine._commit_in_flight(finished_only)
+        return outputs, None
     except Exception as e:  # noqa: BLE001 - the verdict on this request
-        _drop_in_flight(engine)
+        _repair_pending_tokens(engine)
         return [], e
     finally:
         probe_running, probe_waiting = sch.running, sch.waiting
