@@ -37,14 +37,16 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True)
 
 
-def run(engine: LLMEngine) -> dict[str, object]:
+def run(engine: LLMEngine, max_steps: int = 500) -> dict[str, object]:
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(prompt, params(i), f"r{i}")
     final = {}
-    while engine.has_unfinished_requests():
+    for _ in range(max_steps):  # bounded: an engine that stops making progress fails, not hangs
+        if not engine.has_unfinished_requests():
+            return final
         for out in engine.step(finished_only=True):
             final[out.request_id] = out
-    return final
+    raise AssertionError(f"requests unfinished after {max_steps} steps: {sorted(engine.scheduler.requests)}")
 
 
 def inject(engine: LLMEngine, error: Exception, after_calls: int = 2) -> None:
@@ -92,6 +94,38 @@ def test_fault_fails_only_its_request(mode, error, status):
     while engine.has_unfinished_requests():
         done += engine.step(finished_only=True)
     assert [o.outputs[0].finish_reason for o in done] == ["length"]
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("also_forward", [False, True], ids=["commit", "forward-and-commit"])
+def test_fault_while_committing_an_async_step(also_forward):
+    """A failure in the middle of committing a step in flight (its tokens already taken off the
+    queue) leaves the other requests' pending tokens undelivered: they are sampled again, and
+    every request but the cause finishes as without the fault. With also_forward the cause's
+    forward fails first, while a step holding its token is still in flight: committing that step
+    fails too, and must not be charged to whichever request is probed first."""
+    reference = run(make_engine("async"))
+    engine = make_engine("async")
+    if also_forward:
+        inject(engine, RuntimeError("kernel exploded"))
+    commit = engine.scheduler.commit
+    seen = {"n": 0}
+
+    def failing_commit(seq, token_ids):
+        if seq.request_id == BAD:
+            seen["n"] += 1
+            # with also_forward: from its first commit, so the step in flight at the forward's
+            # failure cannot be committed
+            if seen["n"] >= (1 if also_forward else 3):
+                raise RuntimeError("commit failed")
+        return commit(seq, token_ids)
+
+    engine.scheduler.commit = failing_commit
+    outputs = run(engine)
+    assert outputs[BAD].outputs[0].finish_reason == "error"
+    for rid, ref in reference.items():
+        if rid != BAD:
+            assert outputs[rid].outputs[0].token_ids == ref.outputs[0].token_ids, rid
     assert engine.block_manager.num_used_blocks == 0
 
 

@@ -189,12 +189,17 @@ class LLMEngine:
             return outputs + self._outputs(changed, finished_only)
         return outputs + self._plain_step(sched, flight, finished_only)
 
-    def drop_in_flight(self) -> None:
-        """Forget a step left in flight; its sequences recompute their last input position (and
-        sample that token again) in the next step."""
-        flight, self._in_flight = self._in_flight, None
-        for _, seq in flight.pending if flight is not None else ():
-            if not seq.is_finished:
+    def settle_in_flight(self, finished_only: bool) -> list[RequestOutput]:
+        """Commit a step left in flight, if any (fault recovery starts from committed state)."""
+        return self._commit_in_flight(finished_only) if self._in_flight is not None else []
+
+    def repair_pending(self) -> None:
+        """Requests holding a pending token that no step in flight will deliver (a step failed
+        while committing) drop it; their last input position is computed again."""
+        flight = self._in_flight
+        delivered = {id(seq) for _, seq in flight.pending} if flight is not None else set()
+        for seq in list(self.scheduler.requests.values()):
+            if id(seq) not in delivered:
                 self.scheduler.rollback_pending(seq)
 
     def _plain_step(

@@ -6,8 +6,10 @@ How a fault is attributed (recover_from_step_fault):
 1. An error of the device itself (a CUDA error: the context is unusable afterwards) is re-raised,
    so the engine is reported dead (the server's /health answers 503) with the cause logged.
 2. Requests that finished during the failed step (before it raised) get their final output.
-3. A step left in flight by async scheduling is rolled back: its pending tokens are dropped and
-   their last input position is scheduled again (recomputing K/V writes the same values).
+3. Async scheduling: a step still in flight is committed first, and each probe commits its own
+   step, so probes start from committed state. A request left holding a pending token that no
+   step will deliver (the failure came while committing) drops it, and its last input position
+   is scheduled again (recomputing K/V writes the same values; the token is sampled again).
 4. Every suspect (the running requests and the head of the waiting queue: those the failed step
    scheduled) is probed alone: one step with only that request scheduled. A probe that raises
    fails its request; the others simply made one step of progress. A request that is not the
@@ -20,6 +22,7 @@ How a fault is attributed (recover_from_step_fault):
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Any, Protocol
 
@@ -40,7 +43,9 @@ class StepHost(Protocol):
 
     def run_step(self, finished_only: bool) -> list[RequestOutput]: ...
 
-    def drop_in_flight(self) -> None: ...
+    def settle_in_flight(self, finished_only: bool) -> list[RequestOutput]: ...
+
+    def repair_pending(self) -> None: ...
 
     def make_output(self, seq: Sequence) -> RequestOutput: ...
 
@@ -73,7 +78,9 @@ def recover_from_step_fault(
     logger.warning("an engine step failed (%s: %s); isolating the cause", type(error).__name__, error)
     outputs = list(pending)
     outputs += [engine.make_output(s) for s in unfinished if s.is_finished and s.finish_reason != "abort"]
-    engine.drop_in_flight()
+    with contextlib.suppress(Exception):  # settle a step in flight first; its requests are probed below
+        outputs += engine.settle_in_flight(finished_only)
+    engine.repair_pending()
     sch = engine.scheduler
     suspects = [s for s in sch.running if not s.is_finished]
     if sch.waiting:
@@ -98,9 +105,11 @@ def _probe(
     sch.running = [seq] if was_running else []
     sch.waiting = deque() if was_running else deque([seq])
     try:
-        return engine.run_step(finished_only), None
+        outputs = engine.run_step(finished_only)
+        outputs += engine.settle_in_flight(finished_only)  # async scheduling: commit within the probe
+        return outputs, None
     except Exception as e:  # noqa: BLE001 - the verdict on this request
-        engine.drop_in_flight()
+        engine.repair_pending()
         return [], e
     finally:
         probe_running, probe_waiting = sch.running, sch.waiting

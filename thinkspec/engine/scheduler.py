@@ -195,10 +195,11 @@ class Scheduler:
         return self.commit(seq, StepOutcome([token_id], seq.num_computed_tokens))
 
     def rollback_pending(self, seq: Sequence) -> None:
-        """Drop seq's PENDING_TOKEN and its K/V pointer with it: the position is computed again."""
+        """Drop seq's PENDING_TOKEN, if any; between steps the last token is the next step's input,
+        so the K/V pointer goes back before it (recomputing it writes the same values)."""
         if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
             seq.token_ids.pop()
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
     def can_run_ahead(self, pending: Seq[Sequence]) -> bool:
         """Whether the next step may launch before pending's tokens commit: it must decode exactly

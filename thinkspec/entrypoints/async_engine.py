@@ -5,9 +5,11 @@ reach it through a thread-safe queue; each request's outputs come back on its ow
 The thread steps while work exists and sleeps on an event otherwise, so concurrent requests are
 batched by the engine's scheduler like any others.
 
-Failure rules: an exception while adding one request fails that request only. An exception in
-step() marks the engine dead: every in-flight and later request fails with EngineDeadError and
-`dead_error` says why (the server's /health reports it).
+Failure rules: an exception while adding one request fails that request only. LLMEngine.step()
+isolates faults itself (engine/faults.py: the requests that caused one finish with an error and
+the rest go on); what it still raises (a device failure) marks the engine dead: every in-flight
+and later request fails with EngineDeadError and `dead_error` says why (the server's /health
+reports it).
 """
 
 from __future__ import annotations
