@@ -13,8 +13,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
+
+from thinkspec.engine.engine import LLMEngine
+from thinkspec.engine_args import EngineArgs
+from thinkspec.entrypoints.async_engine import AsyncLLMEngine
 
 STARTUP_TIMEOUT_S = 90.0
 
@@ -54,3 +59,14 @@ def serve_process(*args: str) -> Iterator[tuple[subprocess.Popen, str, Callable[
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def running_engine(**engine_args: Any) -> Iterator[AsyncLLMEngine]:
+    """An AsyncLLMEngine over EngineArgs(**engine_args), started, and shut down afterwards."""
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(**engine_args)))
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()

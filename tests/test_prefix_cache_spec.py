@@ -240,11 +240,11 @@ class _FixedProposer:
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 
-    def propose(self, seqs, num_new_tokens, spec_index, max_drafts):
-        out = torch.full((len(spec_index), K), -1, dtype=torch.long)  # [S, k] int64, -1 padded
-        for b in range(len(spec_index)):
-            out[b, : max_drafts[b]] = torch.tensor(self.drafts[: max_drafts[b]])
-        return Proposal(out, list(max_drafts))
+    def propose(self, batch):
+        out = torch.full((len(batch.spec_index), K), -1, dtype=torch.long)  # [S, k] int64, -1 padded
+        for b, n in enumerate(batch.max_drafts):
+            out[b, :n] = torch.tensor(self.drafts[:n])
+        return Proposal(out, list(batch.max_drafts))
 
 
 def test_stop_inside_an_accepted_run_caches_committed_blocks_only(target):

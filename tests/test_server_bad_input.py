@@ -17,10 +17,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from server_process import running_engine  # noqa: E402
 
-from thinkspec.engine.engine import LLMEngine  # noqa: E402
-from thinkspec.engine_args import EngineArgs  # noqa: E402
-from thinkspec.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
 from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
 
@@ -36,13 +34,10 @@ JSON = {"Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def engine():
     path = tiny_checkpoint("qwen3", tied=True)
-    config = EngineArgs(
+    with running_engine(
         model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=MAX_MODEL_LEN
-    )
-    engine = AsyncLLMEngine(LLMEngine(config))
-    engine.start()
-    yield engine
-    engine.shutdown()
+    ) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

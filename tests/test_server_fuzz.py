@@ -22,10 +22,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from server_process import running_engine  # noqa: E402
 
-from thinkspec.engine.engine import LLMEngine  # noqa: E402
-from thinkspec.engine_args import EngineArgs  # noqa: E402
-from thinkspec.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
 from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
 
@@ -212,15 +210,12 @@ requests = st.one_of(
 def served():
     path = tiny_checkpoint("qwen3", tied=True)
     spec = {"model": str(path), "num_speculative_tokens": 2, "relaxed_thinking": True}
-    config = EngineArgs(
-        model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=96, speculative_config=spec
-    )
-    engine = AsyncLLMEngine(LLMEngine(config))
-    engine.start()
-    # As a context manager the client keeps one event loop for every request (much faster).
-    with TestClient(build_app(engine, ServingConfig(MODEL, 2)), raise_server_exceptions=False) as client:
-        yield engine, client
-    engine.shutdown()
+    args = dict(device="cpu", reasoning_parser="qwen3", max_model_len=96, speculative_config=spec)
+    with running_engine(model=str(path), **args) as engine:
+        # As a context manager the client keeps one event loop for every request (much faster).
+        app = build_app(engine, ServingConfig(MODEL, 2))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            yield engine, client
 
 
 def test_no_generated_body_gets_a_5xx(served):

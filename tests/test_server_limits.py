@@ -18,10 +18,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from server_process import running_engine  # noqa: E402
 
-from thinkspec.engine.engine import LLMEngine
-from thinkspec.engine_args import EngineArgs  # noqa: E402
-from thinkspec.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
 from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
 from thinkspec.entrypoints.openai.validation import MAX_JSON_DEPTH  # noqa: E402
@@ -43,13 +41,10 @@ HUGE = "1" + "0" * 400  # the integer 10**400 as JSON
 def engine():
     path = tiny_checkpoint("qwen3", tied=True, vocab_size=PADDED_VOCAB)
     spec = {"model": str(path), "num_speculative_tokens": 2}
-    config = EngineArgs(
+    with running_engine(
         model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=96, speculative_config=spec
-    )
-    engine = AsyncLLMEngine(LLMEngine(config))
-    engine.start()
-    yield engine
-    engine.shutdown()
+    ) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

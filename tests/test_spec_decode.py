@@ -255,13 +255,13 @@ class _ScriptedProposer:
     def __init__(self, first: list[int], k: int) -> None:
         self.first, self.k, self.rounds = first, k, 0
 
-    def propose(self, seqs, num_new_tokens, spec_index, max_drafts):
-        drafts = torch.full((len(spec_index), self.k), -1, dtype=torch.long)
-        for b, i in enumerate(spec_index):
-            row = self.first if self.rounds == 0 else [seqs[i].last_token_id] * self.k
-            drafts[b, : max_drafts[b]] = torch.tensor(row[: max_drafts[b]])
-        self.rounds += bool(spec_index)
-        return Proposal(drafts, list(max_drafts))
+    def propose(self, batch):
+        drafts = torch.full((len(batch.spec_index), self.k), -1, dtype=torch.long)
+        for b, i in enumerate(batch.spec_index):
+            row = self.first if self.rounds == 0 else [batch.seqs[i].last_token_id] * self.k
+            drafts[b, : batch.max_drafts[b]] = torch.tensor(row[: batch.max_drafts[b]])
+        self.rounds += bool(batch.spec_index)
+        return Proposal(drafts, list(batch.max_drafts))
 
 
 def test_think_end_drafted_mid_window_makes_later_positions_strict(target):

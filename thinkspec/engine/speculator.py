@@ -33,7 +33,7 @@ from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, proce
 from thinkspec.spec_decode.draft_model import DraftModelProposer
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
-from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, Proposer
+from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput, Proposer
 
 _NO_STOP_ID = -2  # pads per-request stop-id lists; never equal to a draft (drafts are >= -1)
 
@@ -183,7 +183,7 @@ class Speculator:
             if m and n == 1 and seq.num_output_tokens > 0
         ]
         max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
-        proposal = self.proposer.propose(seqs, num_new, spec_index, max_drafts)
+        proposal = self.proposer.propose(ProposalInput(seqs, num_new, spec_index, max_drafts))
         batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal)
         logits = self.target_runner.execute_model(
             seqs, batch.num_new, batch.num_logits, input_token_ids=batch.input_ids,

@@ -22,7 +22,7 @@ import torch
 
 from thinkspec.models.loader import ModelInfo
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, exponential_race, process_logits
-from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal
+from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput
 
 if TYPE_CHECKING:
     from thinkspec.engine.model_runner import ModelRunner
@@ -43,15 +43,11 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
         self.device = runner.device
 
-    def propose(
-        self,
-        seqs: Seq[Sequence],
-        num_new_tokens: Seq[int],
-        spec_index: Seq[int],
-        max_drafts: Seq[int],
-    ) -> Proposal:
+    def propose(self, batch: ProposalInput) -> Proposal:
         """Run the draft over this step's batch and propose max_drafts[b] tokens for each speculating
         sequence b (see proposer.Proposal for what comes back)."""
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
+        spec_index, max_drafts = batch.spec_index, batch.max_drafts
         num_spec = len(spec_index)
         drafts = torch.full((num_spec, self.k), NO_DRAFT, dtype=torch.long, device=self.device)
         params = [seqs[i].sampling_params for i in spec_index]

@@ -8,16 +8,15 @@ tokens that followed that occurrence. Everything is batched tensor work: one unf
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal
+from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput
 
 if TYPE_CHECKING:
-    from thinkspec.engine.sequence import Sequence
+    pass
 
 
 def ngram_propose(
@@ -73,13 +72,8 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int, device: torch.device) -> None:
         self.k, self.min_n, self.max_n, self.device = k, min_n, max_n, device
 
-    def propose(
-        self,
-        seqs: Seq[Sequence],
-        num_new_tokens: Seq[int],
-        spec_index: Seq[int],
-        max_drafts: Seq[int],
-    ) -> Proposal:
+    def propose(self, batch: ProposalInput) -> Proposal:
+        seqs, spec_index, max_drafts = batch.seqs, batch.spec_index, batch.max_drafts
         if not spec_index:
             return Proposal(torch.empty(0, self.k, dtype=torch.long, device=self.device), [])
         rows = [seqs[i] for i in spec_index]

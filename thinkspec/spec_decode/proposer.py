@@ -32,14 +32,15 @@ class Proposal:
     draft_computed: list[int] | None = None
 
 
+@dataclass(slots=True)
+class ProposalInput:
+    """The step a proposer drafts for."""
+
+    seqs: Seq[Sequence]  # the scheduled batch (M sequences)
+    num_new_tokens: Seq[int]  # [M] tokens each computes this step
+    spec_index: Seq[int]  # [S] batch positions of the speculating sequences
+    max_drafts: Seq[int]  # [S] at most this many drafts each (0 allowed)
+
+
 class Proposer(Protocol):
-    def propose(
-        self,
-        seqs: Seq[Sequence],
-        num_new_tokens: Seq[int],
-        spec_index: Seq[int],
-        max_drafts: Seq[int],
-    ) -> Proposal:
-        """seqs / num_new_tokens: the scheduled batch; spec_index[b]: batch position of speculating
-        sequence b; max_drafts[b]: at most this many drafts for it (0 allowed)."""
-        ...
+    def propose(self, batch: ProposalInput) -> Proposal: ...
