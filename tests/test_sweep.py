@@ -150,7 +150,8 @@ def test_rows_mark_the_frontier_and_round_trip():
 def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     """Tiny grid on the bundled toy pair; outputs truncated (the toy answers need ~250 tokens)."""
     out = tmp_path / "sweep"
-    grid = ["sweep", "--device", "cpu", "--num-prompts", "3", "--max-tokens", "24", "--relax-top-ks", "8"]
+    grid = ["sweep", "--device", "cpu", "--num-prompts", "3", "--max-tokens", "24", "--relax-top-ks", "8",
+            "--repeats", "2"]  # fmt: skip
     argv = [
         *grid,
         "--relax-ratios",
@@ -173,7 +174,12 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     assert list(rows) == ["T=0 no_spec", "T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.5 k=8"]
     for r in rows.values():
         assert r["num_prompts"] == 3 and r["truncation_rate"] == 1.0 and r["mean_output_tokens"] == 24.0
-        assert r["tokens_per_s"] == pytest.approx(3 * 24 / r["seconds"])
+        assert r["repeats"] == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        assert r["tokens_per_s_min"] <= 3 * 24 / r["seconds"] <= r["tokens_per_s_max"]  # the first run's
+        assert r["speedup_vs_strict_min"] <= r["speedup_vs_strict"] <= r["speedup_vs_strict_max"]
+        assert r["speedup_vs_no_spec"] > 0
+    assert rows["T=0 strict"]["speedup_vs_strict"] == pytest.approx(1.0)
+    assert rows["T=0 no_spec"]["speedup_vs_no_spec"] == pytest.approx(1.0)
     assert "mean_acceptance_length" not in rows["T=0 no_spec"]
     assert rows["T=0 strict"]["relaxed_share"] == 0.0 and rows["T=0 strict"]["vs_strict_diff"] == 0.0
     for name in ("T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.5 k=8"):

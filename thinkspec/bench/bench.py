@@ -6,12 +6,15 @@ is the batch throughput of that setting and latency the per-request end-to-end t
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import CellResult
+from thinkspec.bench.warmth import build_counts, check_no_builds
 from thinkspec.llm import LLM
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
@@ -104,7 +107,69 @@ def grade_outputs(
         latencies=latencies,
         ttfts=ttfts,
         spec=spec,
+        extra={"output_digest": output_digest(outs)},
     )
+
+
+def output_digest(outs: Sequence[RequestOutput]) -> str:
+    """A fingerprint of every request's output token ids (equal runs give equal digests)."""
+    h = hashlib.sha256()
+    for o in outs:
+        h.update(len(o.outputs[0].token_ids).to_bytes(4, "little"))
+        for t in o.outputs[0].token_ids:
+            h.update(int(t).to_bytes(8, "little", signed=True))
+    return h.hexdigest()[:16]
+
+
+# One timed cell: (the engine it runs on, a function that runs it once and grades it).
+TimedCell = tuple[LLM, Callable[[], CellResult]]
+
+
+def run_round_robin(
+    cells: Sequence[TimedCell],
+    repeats: int,
+    on_result: Callable[[int, CellResult], None] | None = None,
+    use_tqdm: bool = True,
+) -> list[CellResult]:
+    """Time every cell `repeats` times, round-robin (drift hits all cells alike); the engines must be
+    warm at the cells' shapes: a timed run that captures or compiles anything raises.
+
+    Returns each cell's first run with tokens_per_s_reps holding every repetition's tok/s. Greedy
+    cells must give identical outputs in every repetition (RuntimeError otherwise).
+    """
+    from tqdm.auto import tqdm
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    results: list[CellResult | None] = [None] * len(cells)
+    bar = tqdm(total=repeats * len(cells), desc="timed runs", disable=not use_tqdm, dynamic_ncols=True)
+    try:
+        for r in range(repeats):
+            for i, (llm, run) in enumerate(cells):
+                before = build_counts(llm)
+                cell = run()
+                check_no_builds(before, build_counts(llm), f"cell {cell.name!r} (repetition {r + 1})")
+                results[i] = _keep_repetition(results[i], cell, r)
+                if on_result is not None:
+                    on_result(i, results[i])
+                bar.update(1)
+    finally:
+        bar.close()
+    return [c for c in results if c is not None]
+
+
+def _keep_repetition(first: CellResult | None, cell: CellResult, r: int) -> CellResult:
+    """Fold repetition r of a cell into its first run."""
+    if first is None:
+        cell.tokens_per_s_reps = [cell.tokens_per_s]
+        return cell
+    if cell.setting.get("temperature") == 0 and cell.extra["output_digest"] != first.extra["output_digest"]:
+        raise RuntimeError(
+            f"cell {cell.name!r}: greedy outputs of repetition {r + 1} differ from the first: the engine is "
+            "not deterministic"
+        )
+    first.tokens_per_s_reps.append(sum(cell.output_tokens) / max(cell.seconds, 1e-9))
+    return first
 
 
 def run_bench_command(args: Any) -> int:
@@ -120,18 +185,21 @@ def run_bench_command(args: Any) -> int:
     except (ValueError, OSError) as e:
         print(f"thinkspec bench: error: {e}", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print(f"thinkspec bench: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
     spec = llm.llm_engine.speculator is not None
     setting = {"mode": "spec" if spec else "no_spec", "temperature": args.temperature}
-    cell = run_cell(
-        llm,
-        items,
-        setting["mode"],
-        setting,
-        args.temperature,
-        args.max_tokens,
-        args.sampling_seed,
-        use_tqdm=not args.no_progress,
-    )
+    prompts = format_prompts(llm, items)
+
+    def run() -> CellResult:
+        return run_cell(
+            llm, items, setting["mode"], setting, args.temperature, args.max_tokens, args.sampling_seed,
+            prompts, use_tqdm=False,
+        )  # fmt: skip
+
+    run()  # warm-up at the timed batch and length
+    (cell,) = run_round_robin([(llm, run)], args.repeats, use_tqdm=not args.no_progress)
     row = cell.summary()
     print(format_table([row]))
     if "acceptance_rate_per_pos" in row:

@@ -28,6 +28,7 @@ class CellResult:
     ttfts: list[float]  # [N] time to first token per request
     spec: dict[str, Any] | None = None  # SpecDecodeMetrics.to_dict() of the cell, None without speculation
     extra: dict[str, Any] = field(default_factory=dict)
+    tokens_per_s_reps: list[float] = field(default_factory=list)  # [R] one per timed repetition
 
     @property
     def n(self) -> int:
@@ -39,6 +40,9 @@ class CellResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """The median over the timed repetitions (the one run's figure without repetitions)."""
+        if self.tokens_per_s_reps:
+            return float(np.median(self.tokens_per_s_reps))
         return sum(self.output_tokens) / max(self.seconds, 1e-9)
 
     @property
@@ -61,6 +65,9 @@ class CellResult:
             "truncation_rate": self.truncated / max(1, self.n),
             "seconds": self.seconds,
             "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_min": min(self.tokens_per_s_reps, default=self.tokens_per_s),
+            "tokens_per_s_max": max(self.tokens_per_s_reps, default=self.tokens_per_s),
+            "repeats": max(1, len(self.tokens_per_s_reps)),
             "latency_mean_s": float(np.mean(lat)),
             "latency_p50_s": float(np.percentile(lat, 50)),
             "latency_p90_s": float(np.percentile(lat, 90)),
@@ -123,6 +130,8 @@ class SweepResult:
             row = c.summary()
             for key, value in self.comparisons.get(c.name, {}).items():
                 row[f"vs_strict_{key}"] = value
+            for base in ("strict", "no_spec"):
+                row.update(self._speedup(c, base))
             rows.append(row)
         for t in self.temperatures:
             group = [r for r in rows if r["temperature"] == t]
@@ -132,6 +141,21 @@ class SweepResult:
                 for r, on in zip(group, pareto_frontier(pts)):
                     r[f"frontier_{metric}"] = on
         return rows
+
+    def _speedup(self, cell: CellResult, base: str) -> dict[str, float]:
+        """tok/s over the `base` cell's at the same temperature, repetition by repetition (cells are
+        timed round-robin, so repetition i of both ran close together): median, min and max."""
+        try:
+            ref = self.cell(cell_name(cell.setting["temperature"], base))
+        except KeyError:
+            return {}
+        pairs = list(zip(cell.tokens_per_s_reps, ref.tokens_per_s_reps))
+        pairs = pairs or [(cell.tokens_per_s, ref.tokens_per_s)]
+        ratios = [a / b for a, b in pairs if b > 0]
+        if not ratios:
+            return {}
+        key = f"speedup_vs_{base}"
+        return {key: float(np.median(ratios)), f"{key}_min": min(ratios), f"{key}_max": max(ratios)}
 
     @property
     def temperatures(self) -> list[float]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from thinkspec.bench.bench import format_prompts, run_cell, sampling_params_for
+from thinkspec.bench.bench import format_prompts, run_cell, run_round_robin, sampling_params_for
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, SweepResult, cell_name
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
@@ -76,6 +76,7 @@ def run_sweep(
     seed: int = 0,
     include_no_spec: bool = True,
     warmup: bool = True,
+    repeats: int = 3,
     use_tqdm: bool = True,
     on_cell: Callable[[SweepResult], None] | None = None,
     config: dict[str, Any] | None = None,
@@ -86,8 +87,11 @@ def run_sweep(
     engine_kwargs: LLM(...) arguments without speculative_config. speculative_config: the
     speculative setup (draft model, k, reasoning parser); its relaxation is switched off for
     the strict cell and set per request for the relaxed ones. previous: an interrupted sweep of
-    the same dataset and settings whose finished cells are kept instead of rerun.
+    the same dataset and settings whose finished cells are kept instead of rerun. Each cell is timed
+    `repeats` times, round-robin with the others, after a warm-up at the timed shapes.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not items:
         raise ValueError("the sweep needs at least one item")
     for t in temperatures:
@@ -103,6 +107,7 @@ def run_sweep(
             "seed": seed,
             "speculative_config": strict_cfg,
             "grid": [s.label for s in settings],
+            "repeats": repeats,
         }
     )
     order: list[PlannedCell] = []  # report order: by temperature
@@ -116,7 +121,8 @@ def run_sweep(
     plan = [x for x in order if x[0] == "no_spec"] + [x for x in order if x[0] != "no_spec"]
     plan = [x for x in plan if _planned_name(x) not in done]
     result.cells = list(done.values())
-    _run_plan(plan, result, engine_kwargs, strict_cfg, items, max_tokens, seed, warmup, use_tqdm, on_cell)
+    timing = (warmup, repeats)
+    _run_plan(plan, result, engine_kwargs, strict_cfg, items, max_tokens, seed, timing, use_tqdm, on_cell)
     rank = {_planned_name(x): i for i, x in enumerate(order)}
     result.cells.sort(key=lambda c: rank.get(c.name, len(rank)))
     result.config["temperatures"] = result.temperatures  # resumed cells included
@@ -158,37 +164,54 @@ def _run_plan(
     items: list[BenchItem],
     max_tokens: int,
     seed: int,
-    warmup: bool,
+    timing: tuple[bool, int],
     use_tqdm: bool,
     on_cell: Callable[[SweepResult], None] | None,
 ) -> None:
-    """Run the planned cells in order, appending each to result.cells; one LLM in memory at a time."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(plan), desc="sweep cells", disable=not use_tqdm, dynamic_ncols=True)
+    """Load the engines the plan needs (both stay resident), warm each at the cells' own batch and
+    length, then time the cells round-robin; timing = (warm up, repetitions)."""
+    warmup, repeats = timing
+    if not plan:
+        return
     llms: dict[str, LLM] = {}
-    prompts: list[str] = []
     try:
-        for planned in plan:
-            mode, t, _ = planned
-            kind = "plain" if mode == "no_spec" else "spec"
-            if kind not in llms:
-                _release(llms)  # one model set in memory at a time
-                llms[kind] = LLM(**engine_kwargs, speculative_config=None if kind == "plain" else strict_cfg)
-                result.config["device"] = _device_name(llms[kind])
-                prompts = format_prompts(llms[kind], items)
-                if warmup:  # compile / capture / allocate before anything is timed
-                    warm = min(max_tokens, 32)
-                    run_cell(llms[kind], items[:4], "warmup", {}, t, warm, seed, prompts[:4], use_tqdm=False)
-            bar.set_postfix_str(_planned_name(planned))
-            cell = _run_planned_cell(llms[kind], items, prompts, planned, max_tokens, seed, use_tqdm)
-            result.cells.append(cell)
+        for kind in dict.fromkeys(_engine_kind(p) for p in plan):
+            spec = None if kind == "plain" else strict_cfg
+            llms[kind] = LLM(**engine_kwargs, speculative_config=spec)
+            result.config["device"] = _device_name(llms[kind])
+        prompts = {kind: format_prompts(llm, items) for kind, llm in llms.items()}
+
+        def runner(planned: PlannedCell) -> Callable[[], CellResult]:
+            kind = _engine_kind(planned)
+            llm, texts = llms[kind], prompts[kind]
+            return lambda: _run_planned_cell(llm, items, texts, planned, max_tokens, seed, False)
+
+        if warmup:  # every engine, temperature and acceptance mode at full batch and length, untimed
+            warm_groups = {(_engine_kind(p), p[1], p[0]): p for p in reversed(plan)}
+            for planned in warm_groups.values():
+                runner(planned)()
+        first = len(result.cells)
+        result.cells += [None] * len(plan)  # type: ignore[list-item]  # filled as the cells finish
+
+        def keep(i: int, cell: CellResult) -> None:
+            result.cells[first + i] = cell
             if on_cell is not None:
-                on_cell(result)
-            bar.update(1)
+                on_cell(_finished(result))
+
+        cells = [(llms[_engine_kind(p)], runner(p)) for p in plan]
+        run_round_robin(cells, repeats, keep, use_tqdm)
     finally:
-        bar.close()
+        result.cells = [c for c in result.cells if c is not None]
         _release(llms)
+
+
+def _engine_kind(planned: PlannedCell) -> str:
+    return "plain" if planned[0] == "no_spec" else "spec"
+
+
+def _finished(result: SweepResult) -> SweepResult:
+    """The result with only the cells that have run (for the partial file)."""
+    return SweepResult(result.config, [c for c in result.cells if c is not None], hf=result.hf)
 
 
 def _run_planned_cell(
@@ -314,6 +337,7 @@ def run_sweep_command(args: Any) -> int:
             args.max_tokens,
             args.sampling_seed,
             include_no_spec=not args.skip_no_spec,
+            repeats=args.repeats,
             use_tqdm=not args.no_progress,
             on_cell=lambda r: write_json(r.to_dict(), partial),
             config=_sweep_config(args, kwargs, previous),

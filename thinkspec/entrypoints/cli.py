@@ -136,6 +136,15 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_dataset_args(bench)
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     bench.add_argument("--output-json", default=None, help="write the results here")
+    _add_timing_args(bench)
+
+
+def _add_timing_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--repeats", type=int, default=3,
+        help="timed runs of each cell, round-robin over the cells, after an untimed warm-up at the same "
+        "batch and length (default: %(default)s); tok/s is their median",
+    )  # fmt: skip
 
 
 def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -155,6 +164,7 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sweep.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--output-dir", default="sweep-out")
     sweep.add_argument("--skip-no-spec", action="store_true", help="leave out the no-speculation baseline")
+    _add_timing_args(sweep)
     sweep.add_argument(
         "--accuracy-budget",
         type=float,

@@ -1,0 +1,81 @@
+"""Honest timing of bench / sweep cells: round-robin repetitions, the build check and the
+determinism check (thinkspec/bench/bench.py run_round_robin, thinkspec/bench/warmth.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from thinkspec.bench import bench
+from thinkspec.bench.results import CellResult
+from thinkspec.bench.warmth import build_counts, check_no_builds
+
+
+def _cell(name: str, seconds: float, digest: str = "d", temperature: float = 0.0) -> CellResult:
+    return CellResult(
+        name=name, setting={"mode": "strict", "temperature": temperature}, correct=[True], output_tokens=[10],
+        truncated=0, seconds=seconds, latencies=[seconds], ttfts=[0.0], extra={"output_digest": digest},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def no_builds(monkeypatch):
+    counts = {"graphs": 0, "kernels": 0}
+    monkeypatch.setattr(bench, "build_counts", lambda llm: dict(counts))
+    return counts
+
+
+def test_cells_run_round_robin_and_keep_every_repetition(no_builds):
+    calls: list[str] = []
+    times = {"a": iter([1.0, 2.0, 4.0]), "b": iter([0.5, 0.5, 0.25])}
+
+    def run(name: str):
+        def go() -> CellResult:
+            calls.append(name)
+            return _cell(name, next(times[name]))
+
+        return go
+
+    a, b = bench.run_round_robin([(None, run("a")), (None, run("b"))], repeats=3, use_tqdm=False)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert a.tokens_per_s_reps == [10.0, 5.0, 2.5] and a.tokens_per_s == 5.0  # the median
+    assert b.tokens_per_s_reps == [20.0, 20.0, 40.0] and b.tokens_per_s == 20.0
+    row = a.summary()
+    assert (row["tokens_per_s_min"], row["tokens_per_s_max"], row["repeats"]) == (2.5, 10.0, 3)
+
+
+def test_a_timed_run_that_builds_fails_loudly(no_builds):
+    def run() -> CellResult:
+        no_builds["graphs"] += 1  # a graph captured inside the timed run
+        return _cell("a", 1.0)
+
+    with pytest.raises(RuntimeError, match="1 new graphs"):
+        bench.run_round_robin([(None, run)], repeats=1, use_tqdm=False)
+
+
+def test_greedy_outputs_must_repeat(no_builds):
+    digests = iter(["x", "y"])
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        bench.run_round_robin([(None, lambda: _cell("a", 1.0, next(digests)))], repeats=2, use_tqdm=False)
+    sampled = iter(["x", "y"])  # seeded sampling is not held to it
+    (cell,) = bench.run_round_robin(
+        [(None, lambda: _cell("s", 1.0, next(sampled), temperature=0.7))], repeats=2, use_tqdm=False
+    )
+    assert len(cell.tokens_per_s_reps) == 2
+
+
+def test_build_counts_of_a_cpu_engine_and_the_check():
+    class Runner:
+        graphs = None
+
+    class Engine:
+        model_runner = Runner()
+        speculator = None
+
+    class FakeLLM:
+        llm_engine = Engine()
+
+    counts = build_counts(FakeLLM())
+    assert counts["graphs"] == 0 and counts["kernels"] >= 0
+    check_no_builds(counts, dict(counts), "same")
+    with pytest.raises(RuntimeError, match="2 new kernels"):
+        check_no_builds({"graphs": 0, "kernels": 1}, {"graphs": 0, "kernels": 3}, "cell")
