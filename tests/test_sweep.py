@@ -253,3 +253,28 @@ def test_reports_without_matplotlib(tmp_path, monkeypatch):
     assert data["calibrations"][0]["chosen"] == "T=0 r=0.1 k=4"
     with pytest.raises(ImportError):
         write_sweep_outputs(result, tmp_path / "with-plot", [cal], plot=True)
+
+
+def test_batch_curves_group_cells_by_requests_in_flight():
+    """Each cap on requests in flight is its own set of cells, compared within the set."""
+    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.bench.sweep import RelaxSetting, run_sweep
+    from thinkspec.toy.assets import resolve_model_path
+
+    items = load_dataset("toy", 3, 0)
+    draft = resolve_model_path("toy-reasoner-draft")
+    spec = {"model": draft, "num_speculative_tokens": 4, "reasoning_parser": "qwen3"}
+    result = run_sweep(
+        {"model": resolve_model_path("toy-reasoner"), "device": "cpu"}, spec, items, [RelaxSetting(0.3, 8)],
+        max_tokens=12, repeats=1, batch_sizes=[1, None], use_tqdm=False,
+    )  # fmt: skip
+    rows = {r["name"]: r for r in result.rows()}
+    assert list(rows) == [
+        "T=0 no_spec b=1", "T=0 strict b=1", "T=0 r=0.3 k=8 b=1",
+        "T=0 no_spec", "T=0 strict", "T=0 r=0.3 k=8",
+    ]  # fmt: skip
+    assert rows["T=0 strict b=1"]["speedup_vs_strict"] == pytest.approx(1.0)
+    assert rows["T=0 r=0.3 k=8 b=1"]["max_in_flight"] == 1 and rows["T=0 strict"]["max_in_flight"] is None
+    # greedy outputs do not depend on how many requests share the engine
+    assert rows["T=0 strict b=1"]["mean_output_tokens"] == rows["T=0 strict"]["mean_output_tokens"]
+    assert result.comparisons["T=0 r=0.3 k=8 b=1"] == result.comparisons["T=0 r=0.3 k=8"]

@@ -79,3 +79,39 @@ def test_build_counts_of_a_cpu_engine_and_the_check():
     check_no_builds(counts, dict(counts), "same")
     with pytest.raises(RuntimeError, match="2 new kernels"):
         check_no_builds({"graphs": 0, "kernels": 1}, {"graphs": 0, "kernels": 3}, "cell")
+
+
+def test_generate_bounded_caps_requests_in_flight_and_matches_generate():
+    from checkpoints import tiny_checkpoint
+
+    from thinkspec import LLM, SamplingParams
+
+    llm = LLM(tiny_checkpoint("qwen3", tied=True), device="cpu")
+    prompts = [[65 + i, 66, 67 + i] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(5)]
+    engine = llm.llm_engine
+    step, peak = engine.step, [0]
+
+    def counting_step(*args, **kwargs):
+        sch = engine.scheduler
+        peak[0] = max(peak[0], len(sch.running) + len(sch.waiting))
+        return step(*args, **kwargs)
+
+    engine.step = counting_step
+    got = bench.generate_bounded(llm, prompts, params, max_in_flight=2)
+    assert peak[0] == 2
+    want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    with pytest.raises(ValueError, match="max_in_flight"):
+        bench.generate_bounded(llm, prompts, params, max_in_flight=0)
+
+
+def test_batch_size_flag_and_cell_names():
+    from thinkspec.bench.results import cell_name
+    from thinkspec.bench.sweep import _batch_sizes
+
+    assert _batch_sizes("1, 16,all") == [1, 16, None]
+    for bad in ("0", "x", ""):
+        with pytest.raises(ValueError, match="batch-sizes"):
+            _batch_sizes(bad)
+    assert cell_name(0.0, "strict") == "T=0 strict" and cell_name(0.6, "strict", 16) == "T=0.6 strict b=16"

@@ -60,17 +60,43 @@ def run_cell(
     seed: int = 0,
     prompts: list[str] | None = None,
     use_tqdm: bool = True,
+    max_in_flight: int | None = None,
     **overrides: Any,
 ) -> CellResult:
-    """Generate for all items with `overrides` (relaxed_thinking, relax_ratio, ...) and grade them."""
+    """Generate for all items with `overrides` (relaxed_thinking, relax_ratio, ...) and grade them;
+    max_in_flight caps the requests in the engine at once (None: all at once)."""
     prompts = format_prompts(llm, items) if prompts is None else prompts
     params = sampling_params_for(len(items), temperature, max_tokens, seed, **overrides)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    if max_in_flight is None:
+        outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    else:
+        outs = generate_bounded(llm, prompts, params, max_in_flight)
     seconds = time.perf_counter() - t0
     return grade_outputs(
         outs, items, name, setting, seconds, speculating=llm.llm_engine.speculator is not None
     )
+
+
+def generate_bounded(
+    llm: LLM, prompts: Sequence[str], params: Sequence[SamplingParams], max_in_flight: int
+) -> list[RequestOutput]:
+    """As LLM.generate, with at most max_in_flight requests in the engine: a new one enters as one
+    finishes. Outputs in prompt order; each request's latency counts from when it entered."""
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    engine = llm.llm_engine
+    ids: list[str] = []
+    done: dict[str, RequestOutput] = {}
+    while len(ids) < min(max_in_flight, len(prompts)):
+        ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
+    while engine.has_unfinished_requests():
+        for out in engine.step(finished_only=True):
+            if out.finished:
+                done[out.request_id] = out
+                if len(ids) < len(prompts):
+                    ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
+    return [done[i] for i in ids]
 
 
 def grade_outputs(

@@ -94,8 +94,15 @@ class CellResult:
         return cls(**data)
 
 
-def cell_name(temperature: float, mode: str) -> str:
-    return f"T={temperature:g} {mode}"
+def cell_name(temperature: float, mode: str, max_in_flight: int | None = None) -> str:
+    """"T=0 strict", or "T=0 strict b=16" for a cell run with at most 16 requests in flight."""
+    name = f"T={temperature:g} {mode}"
+    return name if max_in_flight is None else f"{name} b={max_in_flight}"
+
+
+def _group(cell: CellResult) -> tuple[float, int | None]:
+    """Cells compared with each other: same temperature and same cap on requests in flight."""
+    return cell.setting["temperature"], cell.setting.get("max_in_flight")
 
 
 @dataclass(slots=True)
@@ -113,14 +120,14 @@ class SweepResult:
                 return c
         raise KeyError(name)
 
-    def strict(self, temperature: float) -> CellResult:
-        return self.cell(cell_name(temperature, "strict"))
+    def strict(self, temperature: float, max_in_flight: int | None = None) -> CellResult:
+        return self.cell(cell_name(temperature, "strict", max_in_flight))
 
     def compare_all(self, num_resamples: int = 10_000, seed: int = 0) -> None:
         """Fill `comparisons`: every cell (strict included, a zero check) against strict."""
         self.comparisons = {}
         for c in self.cells:
-            ref = self.strict(c.setting["temperature"])
+            ref = self.strict(*_group(c))
             self.comparisons[c.name] = compare_paired(c.correct, ref.correct, num_resamples, seed).to_dict()
 
     def rows(self) -> list[dict[str, Any]]:
@@ -133,8 +140,8 @@ class SweepResult:
             for base in ("strict", "no_spec"):
                 row.update(self._speedup(c, base))
             rows.append(row)
-        for t in self.temperatures:
-            group = [r for r in rows if r["temperature"] == t]
+        for members in dict.fromkeys(_group(c) for c in self.cells):
+            group = [r for r, c in zip(rows, self.cells) if _group(c) == members]
             for metric in SPEED_METRICS:
                 key = "tokens_per_s" if metric == "tokens_per_s" else "mean_acceptance_length"
                 pts = [(r["accuracy"], r.get(key)) for r in group]
@@ -146,7 +153,7 @@ class SweepResult:
         """tok/s over the `base` cell's at the same temperature, repetition by repetition (cells are
         timed round-robin, so repetition i of both ran close together): median, min and max."""
         try:
-            ref = self.cell(cell_name(cell.setting["temperature"], base))
+            ref = self.cell(cell_name(cell.setting["temperature"], base, cell.setting.get("max_in_flight")))
         except KeyError:
             return {}
         pairs = list(zip(cell.tokens_per_s_reps, ref.tokens_per_s_reps))

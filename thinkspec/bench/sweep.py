@@ -62,8 +62,9 @@ def make_grid(
     return [RelaxSetting(r, k, d) for r, k, d in itertools.product(ratios, top_ks, deltas or (None,))]
 
 
-# One cell of the plan: (mode "no_spec" | "strict" | "relaxed", temperature, relaxed setting or None).
-PlannedCell = tuple[str, float, RelaxSetting | None]
+# One cell of the plan: (mode "no_spec" | "strict" | "relaxed", temperature, relaxed setting or None,
+# at most this many requests in flight or None for all at once).
+PlannedCell = tuple[str, float, RelaxSetting | None, int | None]
 
 
 def run_sweep(
@@ -77,6 +78,7 @@ def run_sweep(
     include_no_spec: bool = True,
     warmup: bool = True,
     repeats: int = 3,
+    batch_sizes: Sequence[int | None] = (None,),
     use_tqdm: bool = True,
     on_cell: Callable[[SweepResult], None] | None = None,
     config: dict[str, Any] | None = None,
@@ -88,7 +90,8 @@ def run_sweep(
     speculative setup (draft model, k, reasoning parser); its relaxation is switched off for
     the strict cell and set per request for the relaxed ones. previous: an interrupted sweep of
     the same dataset and settings whose finished cells are kept instead of rerun. Each cell is timed
-    `repeats` times, round-robin with the others, after a warm-up at the timed shapes.
+    `repeats` times, round-robin with the others, after a warm-up at the timed shapes. batch_sizes:
+    caps on the requests in flight, each its own set of cells (None: every request at once).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -108,14 +111,15 @@ def run_sweep(
             "speculative_config": strict_cfg,
             "grid": [s.label for s in settings],
             "repeats": repeats,
+            "batch_sizes": ["all" if b is None else b for b in batch_sizes],
         }
     )
-    order: list[PlannedCell] = []  # report order: by temperature
-    for t in temperatures:
+    order: list[PlannedCell] = []  # report order: by temperature, then batch size
+    for t, b in itertools.product(temperatures, batch_sizes):
         if include_no_spec:
-            order.append(("no_spec", t, None))
-        order.append(("strict", t, None))
-        order += [("relaxed", t, s) for s in settings]
+            order.append(("no_spec", t, None, b))
+        order.append(("strict", t, None, b))
+        order += [("relaxed", t, s, b) for s in settings]
     done = _resumable_cells(previous, result.config)
     # Run order: plain cells first, then speculative ones, so each LLM loads once.
     plan = [x for x in order if x[0] == "no_spec"] + [x for x in order if x[0] != "no_spec"]
@@ -141,8 +145,8 @@ def _strict_config(speculative_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _planned_name(cell: PlannedCell) -> str:
-    mode, t, setting = cell
-    return cell_name(t, mode if setting is None else setting.label)
+    mode, t, setting, batch = cell
+    return cell_name(t, mode if setting is None else setting.label, batch)
 
 
 def _resumable_cells(previous: SweepResult | None, config: dict[str, Any]) -> dict[str, CellResult]:
@@ -187,7 +191,7 @@ def _run_plan(
             return lambda: _run_planned_cell(llm, items, texts, planned, max_tokens, seed, False)
 
         if warmup:  # every engine, temperature and acceptance mode at full batch and length, untimed
-            warm_groups = {(_engine_kind(p), p[1], p[0]): p for p in reversed(plan)}
+            warm_groups = {(_engine_kind(p), p[1], p[0], p[3]): p for p in reversed(plan)}
             for planned in warm_groups.values():
                 runner(planned)()
         first = len(result.cells)
@@ -224,8 +228,8 @@ def _run_planned_cell(
     use_tqdm: bool,
 ) -> CellResult:
     """One cell; a relaxed one runs on the strict engine through per-request overrides."""
-    mode, t, setting = planned
-    row_setting: dict[str, Any] = {"mode": mode, "temperature": t}
+    mode, t, setting, batch = planned
+    row_setting: dict[str, Any] = {"mode": mode, "temperature": t, "max_in_flight": batch}
     row_setting.update(
         setting.overrides()
         if setting is not None
@@ -234,11 +238,17 @@ def _run_planned_cell(
     row_setting.pop("relaxed_thinking", None)
     overrides = {} if setting is None else setting.overrides()
     name = _planned_name(planned)
-    return run_cell(llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, **overrides)
+    return run_cell(
+        llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, batch, **overrides
+    )
 
 
 def calibrate(
-    result: SweepResult, accuracy_budget: float, temperature: float, by: str = "tokens_per_s"
+    result: SweepResult,
+    accuracy_budget: float,
+    temperature: float,
+    by: str = "tokens_per_s",
+    max_in_flight: int | None = None,
 ) -> Calibration:
     """Pick among strict and the relaxed cells at `temperature` those whose paired bootstrap 95%
     CI of (cell accuracy - strict accuracy) has its low end >= -accuracy_budget, and among them the
@@ -253,6 +263,8 @@ def calibrate(
     candidates = []
     for c in result.cells:
         if c.setting["temperature"] != temperature or c.setting["mode"] == "no_spec":
+            continue
+        if c.setting.get("max_in_flight") != max_in_flight:
             continue
         cmp = result.comparisons[c.name]
         within = c.setting["mode"] == "strict" or cmp["ci_low"] >= -accuracy_budget - 1e-12
@@ -293,6 +305,27 @@ def _floats(text: str, flag: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from e
+
+
+def _calibration_batch(result: SweepResult) -> int | None:
+    """Calibrate on the cells with every request at once, else on the largest cap."""
+    caps = {c.setting.get("max_in_flight") for c in result.cells}
+    return None if None in caps else max(caps)
+
+
+def _batch_sizes(text: str) -> list[int | None]:
+    """--batch-sizes "1,16,all" -> [1, 16, None]; None = every request at once."""
+    out: list[int | None] = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        if x == "all":
+            out.append(None)
+        elif x.isdigit() and int(x) >= 1:
+            out.append(int(x))
+        else:
+            raise ValueError(f"--batch-sizes takes integers >= 1 and 'all', got {x!r}")
+    if not out:
+        raise ValueError("--batch-sizes needs at least one value")
+    return out
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -338,6 +371,7 @@ def run_sweep_command(args: Any) -> int:
             args.sampling_seed,
             include_no_spec=not args.skip_no_spec,
             repeats=args.repeats,
+            batch_sizes=_batch_sizes(args.batch_sizes),
             use_tqdm=not args.no_progress,
             on_cell=lambda r: write_json(r.to_dict(), partial),
             config=_sweep_config(args, kwargs, previous),
@@ -352,7 +386,8 @@ def run_sweep_command(args: Any) -> int:
     calibrations = []
     if args.accuracy_budget is not None:
         calibrations = [
-            calibrate(result, args.accuracy_budget, t, args.calibrate_by) for t in result.temperatures
+            calibrate(result, args.accuracy_budget, t, args.calibrate_by, _calibration_batch(result))
+            for t in result.temperatures
         ]
     paths = write_sweep_outputs(result, out_dir, calibrations, plot=not args.no_plot)
     partial.unlink(missing_ok=True)

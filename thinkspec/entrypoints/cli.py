@@ -166,6 +166,11 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sweep.add_argument("--skip-no-spec", action="store_true", help="leave out the no-speculation baseline")
     _add_timing_args(sweep)
     sweep.add_argument(
+        "--batch-sizes", default="all",
+        help="comma-separated caps on the requests in flight, each its own set of cells, 'all' = every "
+        "request at once (default: %(default)s), e.g. 1,16,64,all",
+    )  # fmt: skip
+    sweep.add_argument(
         "--accuracy-budget",
         type=float,
         default=None,
