@@ -451,3 +451,21 @@ def test_lossless_greedy_on_cuda(dtype, method, target, draft):
         assert g[:n] == e[:n]
         compared += n
     assert compared >= 20  # bf16 logits of a tiny random model tie often; the rest is not decided
+
+
+def test_synthetic_acceptance_profile_per_phase(target, draft):
+    """Thinking rows (the first 13 output tokens) accept every draft, answer rows none."""
+    profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 13}
+    cfg = {"model": str(draft), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    out = llm.generate([[72, 105, 33]], sp, use_tqdm=False)
+    m = llm.last_spec_metrics.total
+    # Prefill token, then rounds of 5 tokens while output < 13: at 1, 6, 11 -> 16 tokens; then one per
+    # round, the last of which has no room for a draft.
+    assert m.num_drafts == 3 + (30 - 16 - 1)
+    assert m.num_accepted_tokens == 3 * K
+    assert len(out[0].outputs[0].token_ids) == 30
+    with pytest.raises(ValueError, match="non-increasing"):
+        bad = {**profile, "answer": [0, 1, 0, 0]}
+        LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})

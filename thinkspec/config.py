@@ -104,6 +104,10 @@ class SpeculativeConfig:
       probability whatever the models say (the emitted token after the run is the target's
       argmax), so speed can be measured at a chosen acceptance length on random weights. Outputs
       are not the model's; never use it to generate text. In [0, 1]; None = off.
+    - synthetic_acceptance_profile: BENCHMARK TOOL ONLY, as synthetic_acceptance_rate but per
+      phase and draft position: {"thinking": [a_0 .. a_{k-1}], "answer": [...], "thinking_tokens": N},
+      a_i the share of rounds whose draft i is accepted (non-increasing in i, in [0, 1]); a request
+      is thinking for its first N output tokens. Excludes synthetic_acceptance_rate.
     """
 
     method: str | None = None
@@ -119,6 +123,7 @@ class SpeculativeConfig:
     think_start_token: str | None = None
     think_end_token: str | None = None
     synthetic_acceptance_rate: float | None = None
+    synthetic_acceptance_profile: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         owner = "SpeculativeConfig"
@@ -156,6 +161,8 @@ class SpeculativeConfig:
             )
             if self.method is None:
                 raise ValueError(f"{owner}.synthetic_acceptance_rate needs a speculative method")
+        if self.synthetic_acceptance_profile is not None:
+            self._check_synthetic_profile(owner)
 
         validate_relax_fields(
             relaxed_thinking=self.relaxed_thinking,
@@ -198,6 +205,27 @@ class SpeculativeConfig:
             self.build_reasoning_parser()
         except ValueError as exc:
             raise ValueError(f"{owner}: {exc}") from None
+
+    def _check_synthetic_profile(self, owner: str) -> None:
+        name = f"{owner}.synthetic_acceptance_profile"
+        profile = self.synthetic_acceptance_profile
+        if self.method is None or self.synthetic_acceptance_rate is not None:
+            raise ValueError(f"{name} needs a speculative method and excludes synthetic_acceptance_rate")
+        if not isinstance(profile, dict) or set(profile) != {"thinking", "answer", "thinking_tokens"}:
+            raise ValueError(
+                f"{name} must be a dict with keys thinking, answer, thinking_tokens, got {profile!r}"
+            )
+        k = self.num_speculative_tokens
+        for phase in ("thinking", "answer"):
+            rates = profile[phase]
+            ok = isinstance(rates, list) and len(rates) == k and all(
+                isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in rates
+            )
+            if not ok or any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError(
+                    f"{name}[{phase!r}] must be {k} non-increasing shares in [0, 1], got {rates!r}"
+                )
+        _check_int(name, "thinking_tokens", profile["thinking_tokens"], 0, 2**31 - 1)
 
     def _check_prompt_lookup(self, owner: str) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -144,6 +144,7 @@ class Speculator:
             lookup = (config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
             self.proposer = NgramProposer(self.k, *lookup, self.device)
         self.has_draft_model = draft_runner is not None
+        self._synthetic_table: torch.Tensor | None = None  # [2, k] conditional rates, answer / thinking
         self.metrics = SpecDecodeMetrics()
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator(device=self.device)
@@ -260,13 +261,15 @@ class Speculator:
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.is_greedy for p in params)
         settings = [self.relax_settings(s) for s in seqs]
+        profile = self.config.synthetic_acceptance_profile
+        limit = profile["thinking_tokens"] if profile is not None else 0
         host = torch.tensor(
             [
-                [float(n), float(en), ratio, float(top_k), delta, float(s.thinking), float(not p.is_greedy)]
+                [n, en, ratio, top_k, delta, s.thinking, not p.is_greedy, s.num_output_tokens < limit]
                 for n, (en, ratio, top_k, delta), s, p in zip(proposal.num_drafts, settings, seqs, params)
             ],
             dtype=torch.float64,
-        )  # [S, 7]: num_drafts, relax on, ratio, top_k, delta, thinking, sampled
+        )  # [S, 8]: num_drafts, relax on, ratio, top_k, delta, thinking, sampled, synthetic thinking
         dev = host.to(self.device, non_blocking=True)
         num_drafts, thinking = dev[:, 0].long(), dev[:, 5].bool()
         # Sampled rows reach rejection_sample already scaled, so its temperature is 1 there, 0 = greedy.
@@ -288,9 +291,8 @@ class Speculator:
             target, drafts, num_drafts, relax_mask, temperature, dev[:, 2].float(), dev[:, 3].long(),
             dev[:, 4].float(), proposal.draft_probs, self.generator, seeds=seeds, all_greedy=all_greedy,
         )  # fmt: skip
-        rate = self.config.synthetic_acceptance_rate
-        if rate is not None:
-            result = self._synthetic(result, target, drafts, num_drafts, rate)
+        if self.config.synthetic_acceptance_rate is not None or profile is not None:
+            result = self._synthetic(result, target, drafts, num_drafts, dev[:, 7].bool())
         thinking_after = thinking
         if self.tracker is not None:
             thinking_after = self.tracker.advance(thinking, result.output_token_ids, result.num_accepted + 1)
@@ -355,19 +357,34 @@ class Speculator:
             outcomes.append(StepOutcome(tokens, computed, draft, thinking))
         return outcomes
 
+    def _synthetic_rates(self, thinking: torch.Tensor) -> torch.Tensor | float:
+        """Acceptance probability at each position given the previous ones accepted: [S, k] from the
+        profile (a_i / a_{i-1}), or the flat synthetic rate."""
+        profile = self.config.synthetic_acceptance_profile
+        if profile is None:
+            return float(self.config.synthetic_acceptance_rate)
+        if self._synthetic_table is None:
+            rows = []
+            for phase in ("answer", "thinking"):
+                shares = [1.0, *profile[phase]]
+                rows.append([b / a if a > 0 else 0.0 for a, b in zip(shares, shares[1:])])
+            self._synthetic_table = torch.tensor(rows, dtype=torch.float32, device=thinking.device)  # [2, k]
+        return self._synthetic_table[thinking.long()]
+
     def _synthetic(
         self,
         result: RejectionResult,
         target: torch.Tensor,  # [S, k+1, V]
         drafts: torch.Tensor,  # [S, k]
         num_drafts: torch.Tensor,  # [S]
-        rate: float,
+        thinking: torch.Tensor,  # [S] bool, the profile's phase of each row
     ) -> RejectionResult:
-        """Benchmark mode: draft i is accepted with probability `rate` regardless of the models."""
+        """Benchmark mode: draft i is accepted with a set probability regardless of the models: the
+        synthetic rate, or the profile's share of its phase and position given the run reached i."""
         num_spec, k = drafts.shape
         u = torch.rand(num_spec, k, generator=self.generator, device=drafts.device)
         pos = torch.arange(k, device=drafts.device)
-        ok = (u < rate) & (pos[None, :] < num_drafts[:, None])
+        ok = (u < self._synthetic_rates(thinking)) & (pos[None, :] < num_drafts[:, None])
         num_accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # [S]
         emitted = target.argmax(dim=-1).gather(1, num_accepted[:, None])  # [S, 1]
         out = torch.full((num_spec, k + 1), NO_DRAFT, dtype=torch.long, device=drafts.device)
