@@ -264,3 +264,30 @@ def test_official_client_end_to_end(toy_server):
     assert tok["tokens"] == reference.encode(text, add_special_tokens=False) and tok["max_model_len"] == 512
     back = httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}, headers=headers).json()
     assert back == {"prompt": text}
+
+
+def _sample(text: str, name: str) -> float:
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, name
+    return values[0]
+
+
+def test_latency_kv_and_prefix_cache_metrics(client):
+    before = client.get("/metrics").text
+    body = chat(messages=[{"role": "user", "content": "a long shared prefix " * 4}], max_tokens=6)
+    for _ in range(2):  # the second request finds the first one's prompt blocks in the prefix cache
+        assert client.post(CHAT, json=body, headers=auth()).status_code == 200
+    with client.stream("POST", CHAT, json={**body, "stream": True}, headers=auth()) as r:
+        assert sum(1 for _ in r.iter_lines()) > 3
+    after = client.get("/metrics").text
+
+    def delta(name: str) -> float:
+        return _sample(after, name) - _sample(before, name)
+
+    assert delta("thinkspec:time_to_first_token_seconds_count") == 3
+    assert delta("thinkspec:e2e_request_latency_seconds_count") == 3
+    assert delta("thinkspec:inter_token_latency_seconds_count") >= 3  # 6 tokens each, several steps
+    assert delta("thinkspec:e2e_request_latency_seconds_sum") > 0
+    assert delta("thinkspec:prefix_cache_queries_total") >= 3 * 80
+    assert delta("thinkspec:prefix_cache_hits_total") >= 2 * 64
+    assert 0.0 <= _sample(after, "thinkspec:kv_cache_usage_perc") <= 1.0

@@ -248,7 +248,7 @@ class OpenAIServing:
             return
         if not last.finished:
             last.outputs[0].finish_reason = "abort"
-        self.metrics.observe_finished(last)
+        self.metrics.observe_finished(last, stream.token_gaps)
 
     # ---- chat ---------------------------------------------------------------------------------
 
