@@ -77,7 +77,10 @@ class EngineArgs:
         0.9, "fraction of GPU memory the engine may use, weights and KV cache together (GPU only)"
     )
     kv_cache_memory: int | None = _option(
-        None, "KV-cache size in bytes (default 256 MiB on CPU; on GPU it overrides gpu_memory_utilization)"
+        None,
+        "KV-cache size in bytes (default 256 MiB on CPU; on GPU it overrides gpu_memory_utilization); "
+        "LLM() also takes vLLM's name kv_cache_memory_bytes",
+        flags=("--kv-cache-memory-bytes", "--kv-cache-memory"),
     )
     enable_prefix_caching: bool = _option(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = _option(0, "engine random seed")
@@ -89,9 +92,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _option(
         None,
         "speculative decoding: a SpeculativeConfig, a dict or (on the command line) a JSON object, "
-        "e.g. '{\"method\": \"draft_model\", "
+        'e.g. \'{"method": "draft_model", '
         '"model": "PATH", "num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
-        "\"relax_top_k\": 3}'",
+        '"relax_top_k": 3}\'',
         type=json_arg,
     )
     load_format: str = _option(
@@ -116,6 +119,39 @@ class EngineArgs:
         "commits them while the device works; outputs are unchanged (default: on for CUDA without "
         "speculative decoding, off otherwise; on with speculative decoding is refused)",
     )
+
+    # vLLM's common constructor arguments: the supported values work, others are refused.
+    served_model_name: str | list[str] | None = _option(
+        None,
+        "model name(s) the server answers to; the first is the one in responses (default: MODEL)",
+        nargs="+",
+    )
+    tokenizer_revision: str | None = _option(
+        None, "hub revision of the tokenizer (default: revision); ignored for a local folder"
+    )
+    revision: str | None = _option(
+        None, "hub revision (branch, tag or commit) of the model; ignored for a local folder"
+    )
+    download_dir: str | None = _option(None, "where hub checkpoints are downloaded (default: the hub cache)")
+    trust_remote_code: bool = _option(
+        False,
+        "accepted for vLLM compatibility; no effect: model code is built in, none is run from checkpoints",
+    )
+    chat_template: str | None = _option(
+        None, "chat template used by chat requests: a file, or the template itself (default: the tokenizer's)"
+    )
+    tensor_parallel_size: int = _option(1, "GPUs per model; only 1 is supported", flags=("-tp",))
+    pipeline_parallel_size: int = _option(1, "pipeline stages; only 1 is supported", flags=("-pp",))
+    quantization: str | None = _option(None, "weight quantization; none is supported (weights run as dtype)")
+    cpu_offload_gb: float = _option(0.0, "weights kept in CPU memory, in GiB; only 0 is supported")
+    swap_space: float = _option(
+        4.0, "CPU swap space per GPU in GiB; accepted, unused (preempted requests are recomputed)"
+    )
+    enable_chunked_prefill: bool | None = _option(
+        None, "prefills longer than max_num_batched_tokens always run in chunks; False is refused"
+    )
+    max_logprobs: int = _option(20, "most logprobs a request may ask for (-1 = the vocabulary size)")
+    disable_log_stats: bool = _option(False, "do not log speculative-decoding statistics after each LLM call")
 
     def __post_init__(self) -> None:
         from thinkspec.utils import resolve_device
@@ -178,6 +214,45 @@ class EngineArgs:
             raise ValueError(
                 "async_scheduling=True is not supported with speculative decoding (leave it None)"
             )
+        _check_vllm_args(self)
+
+
+def _check_vllm_args(a: EngineArgs) -> None:
+    """vLLM's common arguments: wrong types and values thinkspec cannot honour are refused."""
+    names = [a.served_model_name] if isinstance(a.served_model_name, str) else a.served_model_name
+    if names is not None and (
+        not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names)
+    ):
+        raise ValueError(f"served_model_name must be a name or a non-empty list of names, got {names!r}")
+    for name in ("revision", "tokenizer_revision", "download_dir", "chat_template"):
+        value = getattr(a, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+    for name in ("trust_remote_code", "disable_log_stats"):
+        if not isinstance(getattr(a, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(a, name)!r}")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(a, name)
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if value > 1:
+            raise ValueError(f"{name}={value} is not supported: thinkspec runs a model on one device")
+    if a.quantization is not None:
+        raise ValueError(f"quantization={a.quantization!r} is not supported: weights run unquantized")
+    for name in ("cpu_offload_gb", "swap_space"):
+        value = getattr(a, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
+    if a.cpu_offload_gb > 0:
+        raise ValueError(f"cpu_offload_gb={a.cpu_offload_gb} is not supported: weights stay on the device")
+    if a.enable_chunked_prefill is not None and not isinstance(a.enable_chunked_prefill, bool):
+        raise ValueError(f"enable_chunked_prefill must be a bool or None, got {a.enable_chunked_prefill!r}")
+    if a.enable_chunked_prefill is False:
+        raise ValueError("enable_chunked_prefill=False is not supported: long prefills always run in chunks")
+    if not _is_int(a.max_logprobs) or a.max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an integer >= -1, got {a.max_logprobs!r}")
+    if a.chat_template is not None and a.skip_tokenizer_init:
+        raise ValueError("chat_template needs the tokenizer; it cannot be used with skip_tokenizer_init")
 
 
 def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:
@@ -210,13 +285,26 @@ def _add_field_flag(p: argparse.ArgumentParser, f: Field[Any]) -> None:
     help_text = f.metadata["help"]
     if f.default is not None and f.default is not MISSING:
         help_text += f" (default: {f.default})"
-    flag = "--" + f.name.replace("_", "-")
+    # metadata["flags"]: the flag names when they differ from --NAME, or short aliases added to it.
+    extra = f.metadata.get("flags", ())
+    long_flag = "--" + f.name.replace("_", "-")
+    flags = list(extra) if extra and extra[0].startswith("--") else [long_flag, *extra]
     kind = str(f.type).split(" | ")[0]
     if kind == "bool":
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        p.add_argument(
+            *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
         return
     arg_type = f.metadata["type"] if "type" in f.metadata else _ARG_TYPES[kind]
-    p.add_argument(flag, type=arg_type, choices=f.metadata.get("choices"), default=None, help=help_text)
+    p.add_argument(
+        *flags,
+        dest=f.name,
+        type=arg_type,
+        choices=f.metadata.get("choices"),
+        nargs=f.metadata.get("nargs"),
+        default=None,
+        help=help_text,
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -225,18 +313,23 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         if f.name != "model":
             _add_field_flag(p, f)
         elif model_positional:
-            p.add_argument(
-                "model",
-                nargs="?",
-                default=DEFAULT_TOY,
-                help=f"{f.metadata['help']}; '{DEFAULT_TOY}' = the bundled toy pair's target "
-                "(default: %(default)s)",
-            )
+            help_text = f"{f.metadata['help']}; '{DEFAULT_TOY}' = the bundled toy pair's target"
+            p.add_argument("model", nargs="?", default=None, help=f"{help_text} (default: {DEFAULT_TOY})")
+            p.add_argument("--model", dest="model_flag", default=None, help="MODEL, given as a flag")
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """Set args.model from the positional MODEL or --model (ValueError if both differ), else the toy."""
+    flag, positional = getattr(args, "model_flag", None), getattr(args, "model", None)
+    if flag is not None and positional is not None and flag != positional:
+        raise ValueError(f"the model is given twice: {positional!r} and --model {flag!r}")
+    args.model = flag or positional or DEFAULT_TOY
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) / EngineArgs(...) keyword arguments from parsed engine flags; flags not given keep
     the EngineArgs defaults. Toy names ("toy-reasoner", "toy-reasoner-draft") become their folders."""
+    resolve_model_arg(args)
     given = (f.name for f in fields(EngineArgs) if getattr(args, f.name, None) is not None)
     kwargs = {name: getattr(args, name) for name in given}
     kwargs["model"] = resolve_model_path(args.model)

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from thinkspec.engine.engine import LLMEngine, PromptType
@@ -33,13 +34,23 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike[str], **kwargs: Any) -> None:
+        if "kv_cache_memory_bytes" in kwargs:  # vLLM's name
+            if "kv_cache_memory" in kwargs:
+                raise TypeError("LLM() got both kv_cache_memory and kv_cache_memory_bytes; give one")
+            kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")
         known = {f.name for f in fields(EngineArgs)}
         unknown = [name for name in kwargs if name not in known]
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(map(repr, unknown))}")
         if kwargs.get("tokenizer") is not None:
             kwargs["tokenizer"] = str(kwargs["tokenizer"])
-        self.llm_engine = LLMEngine(EngineArgs(model=str(model), **kwargs))
+        args = EngineArgs(model=str(model), **kwargs)
+        chat_template = load_chat_template(args.chat_template)
+        _fetch_hub_revisions(args)
+        self.llm_engine = LLMEngine(args)
+        if chat_template is not None:
+            self.llm_engine.tokenizer.chat_template = chat_template
+        self.engine_args = args
         self.last_spec_metrics: SpecDecodeMetrics | None = None
 
     def get_tokenizer(self) -> Any:
@@ -129,7 +140,7 @@ class LLM:
                 results[request_id] = engine.error_output(request_id, text, ids, str(e))
         self._drive(results, len(order), use_tqdm and len(order) > 1)
         outputs = [results[r] for r in order]
-        if engine.speculator is not None:
+        if engine.speculator is not None and not self.engine_args.disable_log_stats:
             total = SpecDecodeMetrics()
             for out in outputs:
                 if out.metrics is not None and out.metrics.spec_decode is not None:
@@ -168,3 +179,31 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template / chat_template: a file's contents, or the value itself when it is a
+    template (it has Jinja delimiters); a value that is neither is taken for a missing file."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template={value!r} is neither a file nor a Jinja template")
+
+
+def _fetch_hub_revisions(args: EngineArgs) -> None:
+    """Download a hub model (or its tokenizer) at the revision / into download_dir asked for, and
+    point args at the local folder; local folders and plain hub ids are left to the loader."""
+    wanted = (args.revision, args.tokenizer_revision, args.download_dir)
+    if all(v is None for v in wanted) or Path(args.model).expanduser().exists():
+        return
+    from thinkspec.models.loader import resolve_model_path
+
+    tokenizer_source = args.tokenizer or args.model
+    tokenizer_revision = args.tokenizer_revision or args.revision
+    if not Path(tokenizer_source).expanduser().exists() and tokenizer_revision != args.revision:
+        args.tokenizer = str(resolve_model_path(tokenizer_source, tokenizer_revision, args.download_dir))
+    args.model = str(resolve_model_path(args.model, args.revision, args.download_dir))

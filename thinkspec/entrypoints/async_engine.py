@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,8 @@ class EngineStats:
     num_kv_blocks_used: int = 0
     num_kv_blocks_free: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of which found there
     spec_metrics: SpecDecodeMetrics | None = None  # cumulative; None when the engine does not speculate
 
 
@@ -51,15 +54,20 @@ class RequestStream:
     """Outputs of one request, from the engine thread to one asyncio consumer.
 
     Items are cumulative RequestOutputs (the last one has finished=True) or an exception.
+    `token_gaps` holds the seconds between consecutive outputs that added tokens (the
+    inter-token latencies, one per engine step as vLLM counts them).
     """
 
-    __slots__ = ("request_id", "_loop", "_queue", "finished")
+    __slots__ = ("request_id", "_loop", "_queue", "finished", "token_gaps", "_last_time", "_num_tokens")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.token_gaps: list[float] = []
+        self._last_time: float | None = None
+        self._num_tokens = 0
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called on the engine thread."""
@@ -74,7 +82,17 @@ class RequestStream:
                 self.finished = True
                 raise item
             self.finished = item.finished
+            self._time(item)
             yield item
+
+    def _time(self, out: RequestOutput) -> None:
+        n = len(out.outputs[0].token_ids)
+        if n <= self._num_tokens:
+            return
+        now = time.monotonic()
+        if self._last_time is not None:
+            self.token_gaps.append(now - self._last_time)
+        self._last_time, self._num_tokens = now, n
 
 
 @dataclass(slots=True)
@@ -237,5 +255,7 @@ class AsyncLLMEngine:
             num_kv_blocks_used=blocks.num_used_blocks,
             num_kv_blocks_free=blocks.num_free_blocks,
             num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=blocks.stats.queries_tokens,
+            prefix_cache_hits=blocks.stats.hits_tokens,
             spec_metrics=None if spec is None else SpecDecodeMetrics().merge(spec),
         )

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from thinkspec.engine_args import add_engine_args, json_arg
+from thinkspec.engine_args import add_engine_args, json_arg, resolve_model_arg
 
 # What `thinkspec serve` imports beyond the core dependencies.
 SERVER_MODULES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -85,16 +85,23 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument(
         "--host",
         default="127.0.0.1",
-        help="bind address; loopback only by default, 0.0.0.0 listens on every interface",
+        help="bind address (default: %(default)s, loopback only, unlike vLLM's every-interface default; "
+        "0.0.0.0 listens on every interface)",
     )
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer API_KEY' on every /v1 route (401 otherwise); default: no key",
+        help="require 'Authorization: Bearer API_KEY' on every /v1 route, /tokenize and /detokenize "
+        "(401 otherwise); repeat for several keys. Default: $THINKSPEC_API_KEY, else $VLLM_API_KEY, "
+        "else no key",
     )
     serve.add_argument(
-        "--served-model-name", default=None, help="model name of /v1/models and responses (default: MODEL)"
+        "--reasoning-field",
+        default="both",
+        choices=["both", "reasoning", "reasoning_content"],
+        help="the key of reasoning text in chat messages and stream deltas (default: %(default)s)",
     )
     serve.add_argument(
         "--max-tokens-limit",
@@ -214,7 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "demo":
+        try:
+            resolve_model_arg(args)
+        except ValueError as e:
+            parser.error(str(e))
     if args.command == "demo":
         from thinkspec.entrypoints.demo import run_demo
 

@@ -147,8 +147,11 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
             p.normal_(0.0, std, generator=gen)
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A local folder as is; otherwise a hub id downloaded (or found in the hub cache) by huggingface_hub."""
+def resolve_model_path(
+    model: str | Path, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """A local folder as is; otherwise a hub id downloaded (or found in the hub cache) by huggingface_hub,
+    at `revision` (default: main) into `download_dir` (default: the hub cache)."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -166,7 +169,11 @@ def resolve_model_path(model: str | Path) -> Path:
         ) from e
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
     try:
-        return Path(snapshot_download(repo_id=name, allow_patterns=patterns))
+        return Path(
+            snapshot_download(
+                repo_id=name, allow_patterns=patterns, revision=revision, cache_dir=download_dir
+            )
+        )
     except Exception as e:  # offline, unknown repo, gated repo: all end here
         raise FileNotFoundError(
             f"model={name!r} is not a local folder and could not be fetched from the Hugging Face hub: {e}"

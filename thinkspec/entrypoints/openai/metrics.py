@@ -7,6 +7,10 @@ Exposed names (prometheus_client appends `_total` to counters):
 - thinkspec:num_requests_running / thinkspec:num_requests_waiting   (gauges)
 - thinkspec:kv_blocks_used / thinkspec:kv_blocks_free                (gauges)
 - thinkspec:num_preemptions_total
+- thinkspec:kv_cache_usage_perc                                       (gauge, fraction 0 to 1)
+- thinkspec:prefix_cache_queries_total / thinkspec:prefix_cache_hits_total   (prompt tokens)
+- thinkspec:time_to_first_token_seconds, thinkspec:inter_token_latency_seconds,
+  thinkspec:e2e_request_latency_seconds                               (histograms)
 - thinkspec:engine_healthy                                            (gauge, 1 or 0)
 - thinkspec:spec_decode_num_drafts_total{phase}
 - thinkspec:spec_decode_num_draft_tokens_total{phase}
@@ -20,15 +24,27 @@ takes after every step, so a scrape never touches the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine
 from thinkspec.outputs import RequestOutput
 from thinkspec.spec_decode.metrics import PHASES
+
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
 
 _SPEC_COUNTERS = (
     ("num_drafts", "verify steps with at least one draft token"),
@@ -56,9 +72,23 @@ class _EngineCollector(Collector):
             ),
         ):
             yield GaugeMetricFamily(f"thinkspec:{name}", doc, value=value)
+        blocks = stats.num_kv_blocks_used + stats.num_kv_blocks_free
+        usage = stats.num_kv_blocks_used / blocks if blocks else 0.0
+        yield GaugeMetricFamily(
+            "thinkspec:kv_cache_usage_perc", "fraction of KV-cache blocks in use", value=usage
+        )
         yield CounterMetricFamily(
             "thinkspec:num_preemptions", "requests preempted (recomputed later)", value=stats.num_preemptions
         )
+        for name, doc, value in (
+            (
+                "prefix_cache_queries",
+                "prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_queries,
+            ),
+            ("prefix_cache_hits", "prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+        ):
+            yield CounterMetricFamily(f"thinkspec:{name}", doc, value=value)
 
         spec = stats.spec_metrics
         for key, doc in _SPEC_COUNTERS:
@@ -93,14 +123,42 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "thinkspec:generation_tokens", "tokens generated", registry=self.registry
         )
+        # vLLM's buckets for these three histograms.
+        self.ttft = Histogram(
+            "thinkspec:time_to_first_token_seconds",
+            "seconds from arrival to the first output token",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "thinkspec:inter_token_latency_seconds",
+            "seconds between consecutive outputs of a request (one per engine step that added tokens)",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "thinkspec:e2e_request_latency_seconds",
+            "seconds from arrival to the end of a request",
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine))
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Count one request that ended (its last output; aborted requests included)."""
+    def observe_finished(self, out: RequestOutput, token_gaps: Sequence[float] = ()) -> None:
+        """Count one request that ended (its last output; aborted requests included), with its
+        latencies: token_gaps are the seconds between its outputs."""
         completion = out.outputs[0]
         self.request_success.labels(completion.finish_reason or "abort").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(completion.token_ids))
+        for gap in token_gaps:
+            self.itl.observe(gap)
+        if out.metrics is None:
+            return
+        if out.metrics.time_to_first_token is not None:
+            self.ttft.observe(out.metrics.time_to_first_token)
+        if out.finished and out.metrics.e2e_latency is not None:
+            self.e2e.observe(out.metrics.e2e_latency)
 
     def observe_aborted_early(self) -> None:
         """Count one request aborted before the engine produced any output for it."""

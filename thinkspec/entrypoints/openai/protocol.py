@@ -1,9 +1,10 @@
-"""Request bodies of the OpenAI-compatible API (pydantic, strict) and the OpenAI error object.
+"""Request bodies of the OpenAI-compatible API (pydantic) and the OpenAI error object.
 
-Bodies are validated strictly: wrong JSON types are errors (no "1" -> 1 coercion), and fields
-outside the declared set are refused, so a typo or an unsupported OpenAI feature gets a 400
-instead of being silently ignored. Declared beyond OpenAI's fields: the vLLM-style sampling
-extras and the per-request relaxation overrides.
+Declared fields are validated strictly: wrong JSON types are errors (no "1" -> 1 coercion) and a
+bad value gets a 400 naming the field. As in vLLM, fields outside the declared set are accepted
+and ignored, with a warning logged the first time each name is seen, so clients that send extra
+fields keep working. An explicit null means "unset": the field takes its default. Declared beyond
+OpenAI's fields: the vLLM-style sampling extras and the per-request relaxation overrides.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from thinkspec.sampling_params import SamplingParams
+from thinkspec.utils import logger
 
 # OpenAI's documented range; SamplingParams itself only needs >= 0.
 MAX_TEMPERATURE = 2.0
@@ -44,11 +46,24 @@ class OpenAIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Strict values for declared fields; unknown fields kept aside (model_extra) and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # A null for an optional (or unknown) field is dropped, so the default applies; a null for
+        # a required field stays and fails its type check.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (with include_usage), as vLLM
 
 
 class TextPart(_Strict):
@@ -60,7 +75,10 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    reasoning_content: str | None = None  # accepted on assistant turns, not sent to the template
+    # Accepted on assistant turns sent back (either name), not sent to the template.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None  # sent back by clients that dump the previous response; ignored
 
     def text(self) -> str:
         if self.content is None:
@@ -106,6 +124,10 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False  # only false is supported
     top_logprobs: int | None = None  # only None/0 is supported
     chat_template_kwargs: dict[str, Any] | None = None
+    # Sent routinely by OpenAI clients; accepted and ignored (nothing is stored, there are no tools).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -140,25 +162,47 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     return data
 
 
+# Names already warned about; capped so that bodies full of invented names cannot grow it
+# (or the log) without bound.
+_warned_fields: set[str] = set()
+MAX_WARNED_FIELDS = 256
+
+
+def ignored_fields(obj: BaseModel, prefix: str = "") -> list[str]:
+    """Names of the unknown fields in a validated body, nested ones as `messages.tool_calls`."""
+    names = [prefix + key for key in obj.model_extra or {}]
+    for name in type(obj).model_fields:
+        value = getattr(obj, name)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                names.extend(ignored_fields(item, f"{prefix}{name}."))
+    return names
+
+
 def parse_request(model: type[_Strict], data: dict[str, Any]) -> Any:
-    """Validate a body into `model`; the first problem becomes an OpenAIError 400 naming its field."""
+    """Validate a body into `model`; the first problem becomes an OpenAIError 400 naming its field.
+    Unknown fields are ignored; each name is logged the first time it is seen."""
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         parts = [
             p for p in err["loc"] if isinstance(p, int) or (_FIELD_PART.match(p) and p not in _TYPE_TAGS)
         ]
         param = ".".join(str(p) for p in parts) or None
-        if err["type"] == "extra_forbidden":
-            message = f"unsupported field {param!r}"
-        elif err["type"] == "missing":
+        if err["type"] == "missing":
             message = f"missing required field {param!r}"
         else:
             got = err.get("input")
             shown = json.dumps(got)[:80] if _jsonable(got) else type(got).__name__
             message = f"{param}: {err['msg'].lower()}, got {shown}"
         raise OpenAIError(message, param=param, code=err["type"]) from None
+    for name in ignored_fields(req):
+        if name not in _warned_fields and len(_warned_fields) < MAX_WARNED_FIELDS:
+            _warned_fields.add(name)
+            logger.warning("ignoring unknown request field %r (logged once per name)", name)
+    return req
 
 
 def _jsonable(value: Any) -> bool:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): routes, auth, body limits, error objects.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these three need the
-API key when one is set), GET /health, GET /metrics. Every error is an OpenAI error object:
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id},
+POST /tokenize, POST /detokenize (these need the API key when one is set), GET /health, GET /ping,
+GET /version, GET /metrics. Every error is an OpenAI error object:
 {"error": {"message", "type", "param", "code"}}. Browser safety (Host, Origin, JSON bodies) is
 guards.py's; the drain on SIGTERM/SIGINT is drain.py's.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -38,6 +40,7 @@ from thinkspec.entrypoints.openai.protocol import (
     parse_request,
 )
 from thinkspec.entrypoints.openai.serving import OpenAIServing, ServingConfig
+from thinkspec.entrypoints.openai.tokenization import DetokenizeRequest, detokenize, tokenize, tokenize_model
 from thinkspec.entrypoints.openai.validation import check_body
 from thinkspec.utils import logger
 
@@ -92,7 +95,7 @@ def build_app(
     engine: AsyncLLMEngine,
     config: ServingConfig,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: Sequence[str] = (),
     loopback_only: bool = False,
@@ -100,6 +103,7 @@ def build_app(
 ) -> FastAPI:
     """The app for one started AsyncLLMEngine; the caller owns the engine's lifecycle.
 
+    api_key: one key or several (any of them is accepted); None or () = no key.
     allowed_origins: browser origins that get CORS headers ("*" = any; none: no CORS, and browser
     requests carrying an Origin are refused). loopback_only: refuse Host names that are not
     loopback names (for a server bound to loopback). drain: the state a graceful shutdown drives
@@ -107,37 +111,31 @@ def build_app(
     """
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be a non-empty string or None")
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    if any(not isinstance(k, str) or not k for k in keys) or api_key == "":
+        raise ValueError("api_key must be a non-empty string, a list of them, or None")
     metrics = ServerMetrics(engine)
     drain = drain or Drain()
     serving = OpenAIServing(engine, config, metrics, drain)
-    created = int(time.time())
     app = FastAPI(title="thinkspec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.drain = drain
     _install_guards(app, allowed_origins, loopback_only, drain)
     _install_error_handlers(app)
-    check_api_key = _api_key_check(api_key)
+    check_api_key = _api_key_check(keys)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    _add_model_routes(v1, serving, int(time.time()))
 
-    @v1.get("/models")
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": config.served_model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "thinkspec",
-            "max_model_len": engine.engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
-
-    async def respond(request: Request, handler: Any, model: type) -> Response:
+    async def read_request(request: Request, model: Any) -> Any:
+        """The validated body; `model` is the request class or a function of the body choosing it."""
         body = parse_json_body(await _read_body(request, max_request_bytes))
         check_body(body)
-        req = parse_request(model, body)
+        return parse_request(model if isinstance(model, type) else model(body), body)
+
+    async def respond(request: Request, handler: Any, model: type) -> Response:
+        req = await read_request(request, model)
         if not req.stream:
             result = await _unless_disconnected(request, handler(req))
             return result if isinstance(result, Response) else JSONResponse(result)
@@ -155,18 +153,66 @@ def build_app(
 
     app.include_router(v1)
 
-    @app.get("/health")
+    # vLLM serves these outside /v1; here they need the key too, like everything that reads input.
+    tok = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @tok.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return tokenize(serving, await read_request(request, tokenize_model))
+
+    @tok.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return detokenize(serving, await read_request(request, DetokenizeRequest))
+
+    app.include_router(tok)
+    _install_public_routes(app, engine, metrics)
+    return app
+
+
+def _add_model_routes(router: APIRouter, serving: OpenAIServing, created: int) -> None:
+    """GET /models (every served name) and /models/{id} (404 in OpenAI's shape for another id)."""
+    config = serving.config
+
+    def card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "thinkspec",
+            "root": config.served_model_name,
+            "max_model_len": serving.engine.engine.max_model_len,
+        }
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card(name) for name in config.model_names]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return card(model_id)
+
+
+def _install_public_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
+    """The routes that need no key: health (also as /ping, vLLM's name), version, metrics."""
+    from thinkspec import __version__
+
     async def health() -> Response:
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
         reason = engine.dead_error or "the engine loop is not running"
         return _error_response(OpenAIError(reason, status=503, code="engine_dead"))
 
+    app.get("/health")(health)
+    app.get("/ping")(health)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _install_guards(app: FastAPI, allowed_origins: Sequence[str], loopback_only: bool, drain: Drain) -> None:
@@ -209,15 +255,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500))
 
 
-def _api_key_check(api_key: str | None) -> Any:
-    """The dependency that checks the bearer token (a no-op without a key)."""
+def _api_key_check(keys: tuple[str, ...]) -> Any:
+    """The dependency that checks the bearer token against any of `keys` (a no-op without keys)."""
+    encoded = [k.encode() for k in keys]
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if not encoded:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        given = token.strip().encode()
+        # Every key is compared, so the time taken does not say which one came close.
+        matches = [secrets.compare_digest(given, key) for key in encoded]
+        if scheme.lower() != "bearer" or not any(matches):
             raise OpenAIError("missing or incorrect API key", status=401, code="invalid_api_key")
 
     return check_api_key
@@ -230,10 +280,23 @@ def _check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         raise ValueError(f"--max-tokens-limit must be >= 1, got {args.max_tokens_limit}")
-    if args.api_key is not None and not args.api_key:
+    if any(not key for key in args.api_key or ()):
         raise ValueError("--api-key must not be empty")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+
+
+API_KEY_ENV_VARS = ("THINKSPEC_API_KEY", "VLLM_API_KEY")
+
+
+def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """The --api-key values, else the first of API_KEY_ENV_VARS that is set and not empty."""
+    if args.api_key:
+        return list(args.api_key)
+    for name in API_KEY_ENV_VARS:
+        if environ.get(name):
+            return [environ[name]]
+    return []
 
 
 def parse_origins(value: str | None) -> list[str]:
@@ -303,9 +366,12 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    names = args.served_model_name or [args.model]
     config = ServingConfig(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=names[0],
         max_tokens_limit=args.max_tokens_limit or llm_engine.max_model_len,
+        other_model_names=tuple(names[1:]),
+        reasoning_field=args.reasoning_field,
     )
     engine = AsyncLLMEngine(llm_engine)
     engine.start()
@@ -314,7 +380,7 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(
             engine,
             config,
-            api_key=args.api_key,
+            api_key=api_keys(args, os.environ),
             max_request_bytes=args.max_request_bytes,
             allowed_origins=parse_origins(args.allowed_origins),
             loopback_only=is_loopback(args.host),

@@ -30,11 +30,32 @@ from thinkspec.entrypoints.openai.protocol import (
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
 
+REASONING_FIELDS = ("both", "reasoning", "reasoning_content")
+
 
 @dataclass(slots=True)
 class ServingConfig:
-    served_model_name: str
+    served_model_name: str  # the name in responses
     max_tokens_limit: int  # largest max_tokens a request may ask; also the default
+    other_model_names: tuple[str, ...] = ()  # also listed by /v1/models and accepted as `model`
+    # The key(s) of reasoning text in messages and deltas: vLLM's newer `reasoning`, the older
+    # `reasoning_content` that many clients still read, or both (the same text twice).
+    reasoning_field: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"reasoning_field must be one of {REASONING_FIELDS}, got {self.reasoning_field!r}"
+            )
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.other_model_names)
+
+    def reasoning_keys(self) -> tuple[str, ...]:
+        if self.reasoning_field == "both":
+            return ("reasoning", "reasoning_content")
+        return (self.reasoning_field,)
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -44,9 +65,23 @@ def _sse(data: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: RequestOutput) -> dict[str, Any]:
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def count_reasoning_tokens(token_ids: list[int], starts_thinking: bool, start_id: int, end_id: int) -> int:
+    """Output tokens generated inside the thinking phase, the think markers themselves not counted
+    (as vLLM counts them). The phase follows the last marker, as the engine's tracker does."""
+    thinking, count = starts_thinking, 0
+    for token in token_ids:
+        if token == start_id:
+            thinking = True
+        elif token == end_id:
+            thinking = False
+        elif thinking:
+            count += 1
+    return count
 
 
 def _finish_reason(out: RequestOutput) -> str:
@@ -62,6 +97,14 @@ def _finish_reason(out: RequestOutput) -> str:
             code="server_shutting_down",
         )
     return reason or "stop"
+
+
+def _usage_mode(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streamed request."""
+    opts = req.stream_options
+    if opts is None or not opts.include_usage:
+        return False, False
+    return True, opts.continuous_usage_stats
 
 
 class _TextStream:
@@ -106,9 +149,10 @@ class OpenAIServing:
     # ---- shared -------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
+        if model is not None and model not in self.config.model_names:
+            served = ", ".join(f"`{name}`" for name in self.config.model_names)
             raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves `{self.config.served_model_name}`.",
+                f"The model `{model}` does not exist; this server serves {served}.",
                 status=404,
                 param="model",
                 code="model_not_found",
@@ -204,11 +248,12 @@ class OpenAIServing:
             return
         if not last.finished:
             last.outputs[0].finish_reason = "abort"
-        self.metrics.observe_finished(last)
+        self.metrics.observe_finished(last, stream.token_gaps)
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    def chat_prompt(self, req: Any, add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The templated prompt of req.messages (with req.chat_template_kwargs): text and token ids."""
         tokenizer = self.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise OpenAIError("the model has no chat template; use /v1/completions", param="messages")
@@ -228,7 +273,7 @@ class OpenAIServing:
             )
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as e:  # noqa: BLE001 - template errors come from the request's content
             raise OpenAIError(
@@ -249,15 +294,17 @@ class OpenAIServing:
         starts_thinking = self.reasoning is not None and self.reasoning.initial_phase(
             prompt["prompt_token_ids"]
         )
+        usage = self._chat_usage(starts_thinking)
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return self._chat_stream(stream, created, params, starts_thinking, include_usage)
+            return self._chat_stream(stream, created, params, starts_thinking, _usage_mode(req), usage)
         out = await self._collect(stream)
         completion = out.outputs[0]
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(completion.text, starts_thinking)
         else:
             reasoning, content = None, completion.text
+        message = {"role": "assistant", "content": content}
+        message.update(dict.fromkeys(self.config.reasoning_keys(), reasoning))
         return {
             "id": request_id,
             "object": "chat.completion",
@@ -266,13 +313,27 @@ class OpenAIServing:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": _finish_reason(out),
                 }
             ],
-            "usage": _usage(out),
+            "usage": usage(out),
         }
+
+    def _chat_usage(self, starts_thinking: bool) -> Callable[[RequestOutput], dict[str, Any]]:
+        """usage of a chat response, with completion_tokens_details.reasoning_tokens."""
+        reasoning = self.reasoning
+
+        def usage(out: RequestOutput) -> dict[str, Any]:
+            n = 0
+            if reasoning is not None:
+                ids = out.outputs[0].token_ids
+                start, end = reasoning.think_start_id, reasoning.think_end_id
+                n = count_reasoning_tokens(ids, starts_thinking, start, end)
+            return {**_usage(out), "completion_tokens_details": {"reasoning_tokens": n}}
+
+        return usage
 
     def _chat_stream(
         self,
@@ -280,7 +341,8 @@ class OpenAIServing:
         created: int,
         params: SamplingParams,
         starts_thinking: bool,
-        include_usage: bool,
+        usage_mode: tuple[bool, bool],
+        usage: Callable[[RequestOutput], dict[str, Any]],
     ) -> AsyncIterator[str]:
         model = self.config.served_model_name
         base = {
@@ -290,14 +352,15 @@ class OpenAIServing:
             "model": model,
         }
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return _sse({**base, "choices": [choice]})
+            return {**base, "choices": [choice]}
 
         text = _TextStream(params)
         split = self.reasoning.stream(starts_thinking) if self.reasoning is not None else None
+        reasoning_keys = self.config.reasoning_keys()
 
-        def events(out: RequestOutput) -> list[str]:
+        def events(out: RequestOutput) -> list[dict[str, Any]]:
             piece = text.delta(out)
             if split is None:
                 reasoning, content = None, piece or None
@@ -307,44 +370,58 @@ class OpenAIServing:
                     tail_r, tail_c = split.finish()
                     reasoning = (reasoning or "") + (tail_r or "") or None
                     content = (content or "") + (tail_c or "") or None
-            deltas = (("reasoning_content", reasoning), ("content", content))
-            return [chunk({key: value}) for key, value in deltas if value is not None]
+            chunks = []
+            if reasoning is not None:
+                chunks.append(chunk(dict.fromkeys(reasoning_keys, reasoning)))
+            if content is not None:
+                chunks.append(chunk({"content": content}))
+            return chunks
 
         return self._sse_stream(
             stream,
             events,
             lambda last: chunk({}, _finish_reason(last)),
             base,
-            include_usage,
+            usage_mode,
+            usage,
             first=chunk({"role": "assistant", "content": ""}),
         )
 
     async def _sse_stream(
         self,
         stream: RequestStream,
-        events: Callable[[RequestOutput], list[str]],
-        final: Callable[[RequestOutput], str],
+        events: Callable[[RequestOutput], list[dict[str, Any]]],
+        final: Callable[[RequestOutput], dict[str, Any]],
         base: dict[str, Any],
-        include_usage: bool,
-        first: str | None = None,
+        usage_mode: tuple[bool, bool],
+        usage: Callable[[RequestOutput], dict[str, Any]] = _usage,
+        first: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
         """Server-sent events of one request: first, events per output, final, usage, [DONE].
 
-        An engine failure or request error becomes an error event; the request is released
-        (aborted if unfinished) whatever happens, including a client that goes away.
+        usage_mode: (include_usage, continuous_usage_stats); with both, every chunk carries the
+        usage so far. An engine failure or request error becomes an error event; the request is
+        released (aborted if unfinished) whatever happens, including a client that goes away.
         """
+        include_usage, continuous = usage_mode
         last: RequestOutput | None = None
+
+        def sse(event: dict[str, Any], out: RequestOutput | None) -> str:
+            if continuous and out is not None:
+                event = {**event, "usage": usage(out)}
+            return _sse(event)
+
         try:
             if first is not None:
-                yield first
+                yield _sse(first)
             async for out in stream:
                 last = out
                 for event in events(out):
-                    yield event
+                    yield sse(event, out)
             assert last is not None
-            yield final(last)
+            yield sse(final(last), last)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(last)})
+                yield _sse({**base, "choices": [], "usage": usage(last)})
         except EngineDeadError as e:
             yield _sse(OpenAIError(str(e), status=503, code="engine_dead").to_dict())
         except OpenAIError as e:
@@ -375,8 +452,7 @@ class OpenAIServing:
         created = int(time.time())
         stream = await self._add(request_id, prompt, params, "prompt")
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return self._completion_stream(stream, created, params, include_usage)
+            return self._completion_stream(stream, created, params, _usage_mode(req))
         out = await self._collect(stream)
         return {
             "id": request_id,
@@ -395,21 +471,21 @@ class OpenAIServing:
         }
 
     def _completion_stream(
-        self, stream: RequestStream, created: int, params: SamplingParams, include_usage: bool
+        self, stream: RequestStream, created: int, params: SamplingParams, usage_mode: tuple[bool, bool]
     ) -> AsyncIterator[str]:
         model = self.config.served_model_name
         base = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
 
-        def chunk(piece: str, finish_reason: str | None = None) -> str:
+        def chunk(piece: str, finish_reason: str | None = None) -> dict[str, Any]:
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
-            return _sse({**base, "choices": [choice]})
+            return {**base, "choices": [choice]}
 
         text = _TextStream(params)
 
-        def events(out: RequestOutput) -> list[str]:
+        def events(out: RequestOutput) -> list[dict[str, Any]]:
             piece = text.delta(out)
             return [chunk(piece)] if piece else []
 
         return self._sse_stream(
-            stream, events, lambda last: chunk("", _finish_reason(last)), base, include_usage
+            stream, events, lambda last: chunk("", _finish_reason(last)), base, usage_mode
         )
