@@ -80,10 +80,12 @@ class LLMEngine:
                 f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "
                 "parser (speculative_config with reasoning_parser or think_start/end tokens)"
             )
+        # The parser's starting phase, so relaxation covers exactly the text returned as reasoning.
+        kwargs = prompt.get("chat_template_kwargs") if isinstance(prompt, Mapping) else None
+        starts = self.reasoning is not None and self.reasoning.starts_in_thinking(token_ids, kwargs)
         seq = Sequence(
             request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-            has_draft=self.draft_model is not None,
-            thinking=self.reasoning is not None and self.reasoning.initial_phase(token_ids),
+            has_draft=self.draft_model is not None, thinking=starts, starts_thinking=starts,
         )  # fmt: skip
         self.scheduler.add(seq)
         return request_id
@@ -251,9 +253,8 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
         )
         if self.reasoning is not None and seq.is_finished:
-            starts_thinking = self.reasoning.initial_phase(seq.prompt_token_ids)
             completion.reasoning_content, completion.content = self.reasoning.split(
-                seq.output_text, starts_thinking
+                seq.output_text, seq.starts_thinking
             )
         return RequestOutput(
             request_id=seq.request_id,

@@ -58,6 +58,7 @@ class Sequence:
     num_draft_computed_tokens: int = 0
     has_draft: bool = False
     thinking: bool = False
+    starts_thinking: bool = False  # the phase the output started in (the reasoning split's start)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -235,7 +235,9 @@ class OpenAIServing:
                 f"the chat template failed: {e}", param="messages", code="invalid_value"
             ) from None
         # The template wrote the special tokens; encoding must not add more.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        # The kwargs go along: enable_thinking decides where the reasoning split starts.
+        return {"prompt": text, "prompt_token_ids": ids, "chat_template_kwargs": kwargs}
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
@@ -246,8 +248,8 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = await self._add(request_id, prompt, params, "messages")
-        starts_thinking = self.reasoning is not None and self.reasoning.initial_phase(
-            prompt["prompt_token_ids"]
+        starts_thinking = self.reasoning is not None and self.reasoning.starts_in_thinking(
+            prompt["prompt_token_ids"], prompt["chat_template_kwargs"]
         )
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
