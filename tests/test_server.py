@@ -539,3 +539,21 @@ def test_toy_pair_speculative_relaxed_stream_matches():
         assert metric(text, "thinkspec:spec_decode_num_relaxed_accepted_tokens_total", phase="answer") == 0
         assert metric(text, "thinkspec:spec_decode_num_draft_tokens_total", phase="thinking") > 0
         assert metric(text, "thinkspec:spec_decode_num_drafts_total", phase="thinking") > 0
+
+
+def test_thinking_token_budget_through_extra_body(client):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+
+    def ask(budget, max_tokens):
+        extra = {} if budget is None else {"thinking_token_budget": budget}
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0, extra_body=extra
+        ).choices[0].message
+
+    assert ask(None, 40).content is None  # unforced, this model never closes its thought
+    first20 = ask(None, 20).reasoning_content
+    assert first20 and ask(20, 20).reasoning_content == first20  # nothing forced before the budget
+    cut = ask(20, 21)  # the 21st token is </think>: no content yet (it may flush held-back bytes)
+    assert cut.reasoning_content.startswith(first20) and cut.content is None
+    more = ask(20, 40)
+    assert more.reasoning_content == cut.reasoning_content and more.content  # then the answer

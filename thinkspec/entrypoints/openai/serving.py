@@ -138,7 +138,7 @@ class OpenAIServing:
                 kwargs[name] = value
         for name in (
             "min_p", "seed", "stop", "stop_token_ids", "relaxed_thinking", "relax_ratio", "relax_top_k",
-            "relax_delta",
+            "relax_delta", "thinking_token_budget",
         ):  # fmt: skip
             value = getattr(req, name)
             if value is not None:
