@@ -100,3 +100,27 @@ def test_over_budget_rows_follow_the_drafts():
     force_token(logits, rows, 2)
     assert (logits.argmax(-1)[rows] == 2).all() and torch.isinf(logits[rows][:, [0, 1, 3, 4, 5]]).all()
     assert torch.isfinite(logits[~rows]).all()
+
+
+# README's prompts and other wordings: the toy's template opens the think block, so every prompt
+# comes back split, with relaxed acceptances counted; questions in its format are answered right.
+TOY_PROMPTS = [
+    ("Sam has 12 apples. He buys 30 more. How many?", 42),
+    ("Sam has 12 apples. He buys 30 more. How many apples does Sam have now?", 42),
+    ("Zoe has 305 stamps. She sells 120. Then she finds 45 more. How many stamps does Zoe have now?", 230),
+    ("Ben has 48 cards. He ends up with 4 times as many. How many cards does Ben have now?", 192),
+    ("Emma has 90 beads. She gets 15 more. How many beads does Emma have now?", 105),
+    ("What is 37 + 48?", None),  # not the toy's format: split, but no right answer expected
+    ("Max has 500 coins and loses 123. How many coins are left?", None),
+]
+
+
+@pytest.mark.parametrize(("question", "answer"), TOY_PROMPTS)
+def test_toy_prompts_come_back_split_with_relaxed_acceptances(llms, question, answer):
+    out = llms["relaxed"].chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=600),
+                               use_tqdm=False)[0]  # fmt: skip
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.reasoning_content and c.content and "</think>" not in c.content
+    assert out.metrics.spec_decode.to_dict()["by_phase"]["thinking"]["num_relaxed_accepted_tokens"] > 0
+    if answer is not None:
+        assert c.content.endswith(f"**Answer:** {answer}")
