@@ -117,8 +117,8 @@ TOY_PROMPTS = [
 
 @pytest.mark.parametrize(("question", "answer"), TOY_PROMPTS)
 def test_toy_prompts_come_back_split_with_relaxed_acceptances(llms, question, answer):
-    out = llms["relaxed"].chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=600),
-                               use_tqdm=False)[0]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=600)
+    out = llms["relaxed"].chat([{"role": "user", "content": question}], params, use_tqdm=False)[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.reasoning_content and c.content and "</think>" not in c.content
     assert out.metrics.spec_decode.to_dict()["by_phase"]["thinking"]["num_relaxed_accepted_tokens"] > 0
