@@ -145,13 +145,14 @@ def test_boundaries_accepted():
 
 def test_relaxed_thinking_with_parser_or_explicit_tokens():
     cfg = make(relaxed_thinking=True, reasoning_parser="deepseek_r1", relax_ratio=0.3, relax_top_k=3)
-    assert cfg.build_reasoning_parser() == ReasoningParser("deepseek_r1", "<think>", "</think>")
+    assert cfg.build_reasoning_parser() == ReasoningParser("deepseek_r1", "<think>", "</think>", "thinking")
     cfg = make(relaxed_thinking=True, think_start_token="<t>", think_end_token="</t>")
     parser = cfg.build_reasoning_parser()
     assert (parser.name, parser.think_start, parser.think_end) == ("generic", "<t>", "</t>")
     # One override on a named parser keeps the parser's other marker.
     parser = make(reasoning_parser="qwen3", think_end_token="[/THINK]").build_reasoning_parser()
     assert (parser.name, parser.think_start, parser.think_end) == ("qwen3", "<think>", "[/THINK]")
+    assert parser.start_rule == "enable_thinking"  # an override keeps where the output starts
 
 
 @pytest.mark.parametrize(

@@ -213,16 +213,24 @@ def test_abort_keeps_tokens_and_frees_blocks():
 def test_request_output_carries_reasoning_split():
     path = tiny_checkpoint("qwen3", tied=False)
     engine = LLMEngine(EngineArgs(str(path), device="cpu", reasoning_parser="qwen3"))
-    seq = Sequence("r", [65, THINK_ID], SamplingParams())
+    seq = Sequence("r", [65, THINK_ID], SamplingParams(), starts_thinking=True)
     seq.output_text = "step one\n</think>\n\nthe answer"
     seq.finish("stop")
     comp = engine.make_output(seq).outputs[0]
     assert (comp.reasoning_content, comp.content) == ("step one", "the answer")
-    seq2 = Sequence("s", [65, 66], SamplingParams())  # prompt leaves the answer phase
+    seq2 = Sequence("s", [65, 66], SamplingParams())  # the output starts in the answer
     seq2.output_text = "plain reply"
     seq2.finish("stop")
     comp = engine.make_output(seq2).outputs[0]
     assert (comp.reasoning_content, comp.content) == (None, "plain reply")
+    # add_request starts the phase where the qwen3 split starts: enable_thinking, default on.
+    cases = [(None, True), ({"enable_thinking": True}, True), ({"enable_thinking": False}, False)]
+    for kwargs, starts in cases:
+        rid = engine.add_request({"prompt_token_ids": [65, 66], "chat_template_kwargs": kwargs})
+        seq = engine.scheduler.requests[rid]
+        assert seq.thinking is starts and seq.starts_thinking is starts
+        engine.abort_request(rid)
+    engine.step()
 
 
 @pytest.mark.parametrize(

@@ -306,3 +306,80 @@ def test_resolved_stream_matches_split(tokenizer):
     resolved = get_reasoning_parser("deepseek_r1").resolve(tokenizer)
     text = "<think>\nLet me think\n</think>\n\nIt is four"
     assert run_stream(resolved, [text[:9], text[9:25], text[25:]], False) == resolved.split(text, False)
+
+
+# ---- where an output starts, and the phase tracker agreeing with the split ------------------------
+
+PROMPT_STATES = {"r1": True, "qwen3_thinking": None, "qwen3_no_thinking": False, "history_then_r1": True}
+
+
+@pytest.mark.parametrize("template", sorted(PROMPT_STATES))
+@pytest.mark.parametrize("enable", [None, True, False])
+def test_starts_in_thinking_follows_vllm_rules(tokenizer, template, enable):
+    ids = encode(tokenizer, chat_prompt(template))
+    kwargs = None if enable is None else {"enable_thinking": enable}
+    # deepseek_r1: everything before a lone </think> is reasoning, whatever the prompt or the flag.
+    assert get_reasoning_parser("deepseek_r1").resolve(tokenizer).starts_in_thinking(ids, kwargs) is True
+    # qwen3: the template flag decides (default on); a raw prompt that closed the block starts the answer.
+    qwen3 = get_reasoning_parser("qwen3").resolve(tokenizer).starts_in_thinking(ids, kwargs)
+    assert qwen3 is (enable if enable is not None else PROMPT_STATES[template] is not False)
+    # A parser from explicit markers: the prompt's last marker.
+    generic = ReasoningParser.from_tokens("<think>", "</think>").resolve(tokenizer)
+    assert generic.starts_in_thinking(ids, kwargs) is (PROMPT_STATES[template] is True)
+
+
+def test_start_rule_is_validated():
+    with pytest.raises(ValueError, match="start_rule must be one of"):
+        ReasoningParser("x", "<a>", "</a>", start_rule="sometimes")
+
+
+def _toy_tokenizer():
+    from transformers import AutoTokenizer
+
+    from thinkspec.toy.assets import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("toy-reasoner"))
+
+
+def _random_outputs(tok, rng, n):
+    words = ["Okay", ",", " let", " me", " add", " 12", " +", " 30", ".", "\n", "\n\n", " So", "**Answer:**"]
+    pieces = [tok.encode(w, add_special_tokens=False) for w in words]
+    start, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    pieces += [[start], [end], [end], tok.encode("\n</think>\n\n", add_special_tokens=False)]
+    return [[t for _ in range(rng.randint(0, 30)) for t in rng.choice(pieces)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("enable", [True, False])
+def test_tracker_and_split_agree_on_whole_outputs_and_streams(name, enable):
+    """Every token the tracker counts as thinking is text the parser returns as reasoning, and the
+    rest is content, for whole outputs and token by token through the stream."""
+    tok = _toy_tokenizer()
+    resolved = get_reasoning_parser(name).resolve(tok)
+    kwargs = {"enable_thinking": enable}
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                     add_generation_prompt=True, **kwargs)  # fmt: skip
+    starts = resolved.starts_in_thinking(tok.encode(prompt, add_special_tokens=False), kwargs)
+    assert starts is (True if name == "deepseek_r1" else enable)
+    tracker = resolved.tracker()
+    markers = (resolved.think_start_id, resolved.think_end_id)
+    for output in _random_outputs(tok, random.Random(5), 40):
+        by_phase = {True: [], False: []}
+        stream = resolved.stream(starts)
+        streamed = {True: [], False: []}
+        thinking = starts
+        for t in output:
+            text = tok.decode([t], skip_special_tokens=True)
+            if t not in markers:
+                by_phase[thinking].append(text)
+            thinking = tracker.advance_host(thinking, [t])
+            for phase, delta in zip((True, False), stream.feed(text)):
+                streamed[phase].append(delta or "")
+            assert stream.thinking is thinking, output
+        for phase, delta in zip((True, False), stream.finish()):
+            streamed[phase].append(delta or "")
+        whole = resolved.split(tok.decode(output, skip_special_tokens=True), starts)
+        for phase, part in zip((True, False), whole):
+            # The split drops only the template's newlines around markers.
+            assert (part or "").replace("\n", "") == "".join(by_phase[phase]).replace("\n", ""), output
+            assert "".join(streamed[phase]) == (part or "")

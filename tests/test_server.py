@@ -126,7 +126,8 @@ def test_chat_with_openai_client_split_and_stream(client, ckpt):
         )
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         raw = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=16, temperature=0.0)
-        starts_thinking = "</think>" not in text and text.rstrip().endswith("<think>")
+        # qwen3 (vLLM's rule): the output starts in reasoning unless enable_thinking is false.
+        starts_thinking = (template_kwargs or {}).get("enable_thinking", True)
         assert (msg.reasoning_content, msg.content) == parser.split(raw.choices[0].text, starts_thinking)
         assert resp.usage.prompt_tokens == len(prompt_ids) == raw.usage.prompt_tokens
         assert resp.usage.completion_tokens == raw.usage.completion_tokens <= 16
@@ -294,14 +295,16 @@ def test_non_streamed_client_disconnect_aborts(server):
 
 def test_spec_decode_counters_move_by_phase(server, client):
     before = scrape(server)
-    for prompt in PROMPTS[:2]:
+    # qwen3: thinking on starts in reasoning, thinking off in the answer.
+    for prompt, enable in zip(PROMPTS[:2], (True, False)):
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0.0
-        )
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0.0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": enable}},
+        )  # fmt: skip
     after = scrape(server)
     name = "thinkspec:spec_decode_num_draft_tokens_total"
     moved = [metric(after, name, phase=p) - metric(before, name, phase=p) for p in ("thinking", "answer")]
-    assert min(moved) > 0, moved  # these prompts produce both phases
+    assert min(moved) > 0, moved
     accepted = "thinkspec:spec_decode_num_accepted_tokens_total"
     assert sum(metric(after, accepted, phase=p) for p in ("thinking", "answer")) > 0
     assert (
@@ -536,3 +539,21 @@ def test_toy_pair_speculative_relaxed_stream_matches():
         assert metric(text, "thinkspec:spec_decode_num_relaxed_accepted_tokens_total", phase="answer") == 0
         assert metric(text, "thinkspec:spec_decode_num_draft_tokens_total", phase="thinking") > 0
         assert metric(text, "thinkspec:spec_decode_num_drafts_total", phase="thinking") > 0
+
+
+def test_thinking_token_budget_through_extra_body(client):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+
+    def ask(budget, max_tokens):
+        extra = {} if budget is None else {"thinking_token_budget": budget}
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0, extra_body=extra
+        ).choices[0].message
+
+    assert ask(None, 40).content is None  # unforced, this model never closes its thought
+    first20 = ask(None, 20).reasoning_content
+    assert first20 and ask(20, 20).reasoning_content == first20  # nothing forced before the budget
+    cut = ask(20, 21)  # the 21st token is </think>: no content yet (it may flush held-back bytes)
+    assert cut.reasoning_content.startswith(first20) and cut.content is None
+    more = ask(20, 40)
+    assert more.reasoning_content == cut.reasoning_content and more.content  # then the answer

@@ -266,6 +266,7 @@ class SpeculativeConfig:
             name=parser.name,
             think_start=self.think_start_token or parser.think_start,
             think_end=self.think_end_token or parser.think_end,
+            start_rule=parser.start_rule,
         )
 
     def resolve_reasoning(

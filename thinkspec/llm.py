@@ -101,7 +101,10 @@ class LLM:
             )
             # The template already wrote any special tokens; encoding must not add more.
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            # The kwargs go along: enable_thinking decides where the reasoning split starts.
+            prompts.append({
+                "prompt": text, "prompt_token_ids": ids, "chat_template_kwargs": chat_template_kwargs
+            })
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(

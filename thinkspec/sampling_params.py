@@ -62,6 +62,8 @@ class SamplingParams:
     relax_ratio: float | None = None
     relax_top_k: int | None = None
     relax_delta: float | None = None
+    # At most this many tokens inside <think>; then the next token is </think>. -1 = None = no limit.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -100,6 +102,13 @@ class SamplingParams:
                 f"stop_token_ids must be integers in [0, {INT64_MAX}], got {_show(self.stop_token_ids)}"
             )
         self.stop_token_ids = ids
+        if self.thinking_token_budget == -1 and _is_int(self.thinking_token_budget):
+            self.thinking_token_budget = None  # vLLM's spelling of "unlimited"
+        if self.thinking_token_budget is not None:
+            _check_int(
+                "thinking_token_budget", self.thinking_token_budget, 0, INT64_MAX,
+                f"an integer in [0, {INT64_MAX}], -1 or None",
+            )  # fmt: skip
         (self.relaxed_thinking, self.relax_ratio, self.relax_top_k, self.relax_delta) = validate_relax_fields(
             relaxed_thinking=self.relaxed_thinking,
             relax_ratio=self.relax_ratio,

@@ -14,7 +14,7 @@ from thinkspec.engine.factory import build_engine_parts
 from thinkspec.engine.faults import recover_from_step_fault
 from thinkspec.engine.request_checks import check_prompt_input, check_stop_token_ids, token_vocab_size
 from thinkspec.engine.scheduler import SchedulerOutput
-from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
+from thinkspec.engine.sequence import Sequence, force_think_end_over_budget, mask_stops_before_min_tokens
 from thinkspec.engine_args import EngineArgs
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling_params import SamplingParams
@@ -80,10 +80,17 @@ class LLMEngine:
                 f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "
                 "parser (speculative_config with reasoning_parser or think_start/end tokens)"
             )
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError(
+                f"request {request_id!r}: thinking_token_budget needs a reasoning parser "
+                "(reasoning_parser, or think_start/end tokens in speculative_config)"
+            )
+        # The parser's starting phase, so relaxation covers exactly the text returned as reasoning.
+        kwargs = prompt.get("chat_template_kwargs") if isinstance(prompt, Mapping) else None
+        starts = self.reasoning is not None and self.reasoning.starts_in_thinking(token_ids, kwargs)
         seq = Sequence(
             request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-            has_draft=self.draft_model is not None,
-            thinking=self.reasoning is not None and self.reasoning.initial_phase(token_ids),
+            has_draft=self.draft_model is not None, thinking=starts, starts_thinking=starts,
         )  # fmt: skip
         self.scheduler.add(seq)
         return request_id
@@ -218,6 +225,8 @@ class LLMEngine:
         tokens = None
         if sampled:
             mask_stops_before_min_tokens(logits.unsqueeze(1), sampled)
+            if self.reasoning is not None:
+                force_think_end_over_budget(logits, sampled, self.reasoning.think_end_id)
             params, positions = [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled]
             tokens = self.sampler(logits, params, positions)
         if tokens is not None and self.async_scheduling and self._copies is not None and all(sample_mask):
@@ -256,9 +265,8 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
         )
         if self.reasoning is not None and seq.is_finished:
-            starts_thinking = self.reasoning.initial_phase(seq.prompt_token_ids)
             completion.reasoning_content, completion.content = self.reasoning.split(
-                seq.output_text, starts_thinking
+                seq.output_text, seq.starts_thinking
             )
         return RequestOutput(
             request_id=seq.request_id,

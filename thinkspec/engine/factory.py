@@ -108,12 +108,13 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         graphs=graph_spec(args, models, target_graph_widths(models.lookahead), max_model_len, pool),
     )  # fmt: skip
     block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+    reasoning = _resolve_reasoning(args, models)
     scheduler = Scheduler(
         block_manager, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, tokenizer=models.tokenizer,
+        tracker=reasoning.tracker() if reasoning is not None else None,
     )  # fmt: skip
     sampler = Sampler(args.seed, models.device)
-    reasoning = _resolve_reasoning(args, models)
     speculator = None
     if args.speculative_config is not None:
         sizes = (num_blocks, max_model_len)

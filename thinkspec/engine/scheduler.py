@@ -20,6 +20,7 @@ from typing import Any
 
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, commit_token
+from thinkspec.reasoning.tracker import PhaseTracker
 
 
 @dataclass(slots=True)
@@ -29,7 +30,6 @@ class StepOutcome:
     token_ids: list[int]  # tokens to commit (empty for a mid-prompt chunk)
     num_computed_tokens: int  # leading tokens whose target K/V is now valid
     num_draft_computed_tokens: int | None = None  # the draft model's, when there is one
-    thinking: bool | None = None  # the reasoning phase after token_ids, when it is tracked
 
 
 @dataclass(slots=True)
@@ -69,12 +69,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         tokenizer: Any | None = None,
+        tracker: PhaseTracker | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer  # for stop strings / output text; None = token ids only
+        self.tracker = tracker  # advances each sequence's reasoning phase; None = not tracked
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -157,15 +159,18 @@ class Scheduler:
         return changed
 
     def commit(self, seq: Sequence, outcome: StepOutcome) -> bool:
-        """Apply one step's outcome to a running seq: its K/V pointers and phase, then its tokens until
-        one finishes it; offer its full blocks to the prefix cache, free them if it finished. Returns
-        whether seq got a token or finished. The only writer of these fields after admission."""
+        """Apply one step's outcome to a running seq: its K/V pointers, then its tokens until one
+        finishes it, advancing its phase and thinking-token count with each (PhaseTracker.step_host);
+        offer its full blocks to the prefix cache, free them if it finished. Returns whether seq got
+        a token or finished. The only writer of these fields after admission."""
         seq.num_computed_tokens = outcome.num_computed_tokens
         if outcome.num_draft_computed_tokens is not None:
             seq.num_draft_computed_tokens = outcome.num_draft_computed_tokens
-        if outcome.thinking is not None:
-            seq.thinking = outcome.thinking
+        tracker = self.tracker
         for token_id in outcome.token_ids:
+            if tracker is not None:  # phase and thinking budget follow exactly the committed tokens
+                seq.thinking, counted = tracker.step_host(seq.thinking, token_id)
+                seq.num_thinking_tokens += counted
             if commit_token(seq, token_id, max_model_len=self.max_model_len, tokenizer=self.tokenizer):
                 break
         # After the tokens are appended: a block is hashed over the tokens its K/V was written for.
@@ -217,6 +222,10 @@ class Scheduler:
             if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
                 seq.num_tokens >= self.max_model_len
             ):
+                return False
+            # The pending token may spend the thinking budget; the next step must then be forced.
+            budget = seq.sampling_params.thinking_token_budget
+            if budget is not None and seq.num_thinking_tokens + 1 >= budget:
                 return False
             need = self._slots_needed(seq, seq.num_computed_tokens, 1, 0)
             new_blocks += max(0, bm.blocks_for(need) - len(seq.block_table))

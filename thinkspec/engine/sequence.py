@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from thinkspec.outputs import RequestMetrics
+from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.utils import detokenize_incrementally, initial_detokenize_offsets
 
@@ -58,6 +59,8 @@ class Sequence:
     num_draft_computed_tokens: int = 0
     has_draft: bool = False
     thinking: bool = False
+    starts_thinking: bool = False  # the phase the output started in (the reasoning split's start)
+    num_thinking_tokens: int = 0  # output tokens committed inside <think> (markers not counted)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +97,12 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def thinking_budget_spent(self) -> bool:
+        """The next token must close the think block (thinking_token_budget reached while thinking)."""
+        budget = self.sampling_params.thinking_token_budget
+        return self.thinking and budget is not None and self.num_thinking_tokens >= budget
 
     @property
     def is_finished(self) -> bool:
@@ -184,3 +193,13 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> 
         ids_l = sorted(t for t in ids if 0 <= t < logits.shape[-1])
         if ids_l:
             logits[b, : min(short, logits.shape[1]), ids_l] = -math.inf
+
+
+def force_think_end_over_budget(logits: torch.Tensor, seqs: list[Sequence], think_end_id: int) -> None:
+    """In place: rows of logits [S, V] whose sequence has spent its thinking budget allow only the
+    end marker. Decided on the host from committed state (plain rows: the next token only)."""
+    rows = [b for b, seq in enumerate(seqs) if seq.thinking_budget_spent]
+    if rows:
+        mask = torch.zeros(logits.shape[0], dtype=torch.bool)
+        mask[rows] = True
+        force_token(logits, mask.to(logits.device, non_blocking=True), think_end_id)

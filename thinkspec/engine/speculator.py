@@ -26,8 +26,9 @@ import torch
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.model_runner import ModelRunner
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
-from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
+from thinkspec.engine.sequence import Sequence, force_think_end_over_budget, mask_stops_before_min_tokens
 from thinkspec.reasoning.parsers import ResolvedReasoning
+from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_model import DraftModelProposer
@@ -80,7 +81,6 @@ class HostPack:
     num_accepted: np.ndarray  # [S]
     relaxed: np.ndarray  # [S, k] bool, accepted only by the relaxed test
     thinking_before: np.ndarray  # [S, k] bool, the phase before each draft position
-    thinking_after: np.ndarray  # [S] bool, the phase after the committed tokens
 
     @classmethod
     def fetch(
@@ -88,7 +88,6 @@ class HostPack:
         plain: torch.Tensor | None,  # [P] int64
         result: RejectionResult | None,
         thinking_before: torch.Tensor | None,  # [S, k] bool
-        thinking_after: torch.Tensor | None,  # [S] bool
         k: int,
     ) -> HostPack:
         parts = [plain] if plain is not None else []
@@ -98,20 +97,23 @@ class HostPack:
                 result.num_accepted[:, None],  # 1
                 result.relaxed_accepted.long(),  # k
                 thinking_before.long(),  # k
-                thinking_after.long()[:, None],  # 1
             ]
             parts.append(torch.cat(columns, dim=1).flatten())
         host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.int64)
         num_plain = 0 if plain is None else plain.numel()
-        spec = host[num_plain:].reshape(-1, 3 * k + 3)
+        spec = host[num_plain:].reshape(-1, 3 * k + 2)
         return cls(
             plain_tokens=host[:num_plain].tolist(),
             tokens=spec[:, : k + 1],
             num_accepted=spec[:, k + 1],
             relaxed=spec[:, k + 2 : 2 * k + 2].astype(bool),
             thinking_before=spec[:, 2 * k + 2 : 3 * k + 2].astype(bool),
-            thinking_after=spec[:, 3 * k + 2].astype(bool),
         )
+
+
+def _budget(params) -> int:
+    """thinking_token_budget as an int for the device, -1 = none."""
+    return -1 if params.thinking_token_budget is None else min(params.thinking_token_budget, 2**53)
 
 
 class Speculator:
@@ -194,12 +196,12 @@ class Speculator:
         spec_of = batch.spec_of
         plain_seqs = [seqs[i] for i, m in enumerate(sample_mask) if m and i not in spec_of]
         plain_tokens = self._sample_plain(logits, plain_rows, plain_seqs)
-        result = thinking_before = thinking_after = None
+        result = thinking_before = None
         if spec_index:
             target = logits[torch.from_numpy(windows).to(self.device, non_blocking=True)]  # [S, k+1, V]
             spec_seqs = [seqs[i] for i in spec_index]
-            result, thinking_before, thinking_after = self._verify(spec_seqs, target, proposal)
-        host = HostPack.fetch(plain_tokens, result, thinking_before, thinking_after, self.k)
+            result, thinking_before = self._verify(spec_seqs, target, proposal)
+        host = HostPack.fetch(plain_tokens, result, thinking_before, self.k)
         return self._outcomes(sched, sample_mask, batch, proposal, host)
 
     # ---- stages --------------------------------------------------------------------------------
@@ -247,6 +249,8 @@ class Speculator:
             return None
         plain = logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
         mask_stops_before_min_tokens(plain.unsqueeze(1), seqs)
+        if self.tracker is not None:
+            force_think_end_over_budget(plain, seqs, self.tracker.think_end_id)
         return self.sampler(plain, [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs])
 
     def _verify(
@@ -254,9 +258,8 @@ class Speculator:
         seqs: list[Sequence],
         target: torch.Tensor,  # [S, k+1, V] float32
         proposal: Proposal,
-    ) -> tuple[RejectionResult, torch.Tensor, torch.Tensor]:
-        """rejection_sample plus the phase bookkeeping; returns (result, thinking_before [S, k] bool,
-        thinking_after [S] bool)."""
+    ) -> tuple[RejectionResult, torch.Tensor]:
+        """rejection_sample plus the phase bookkeeping; returns (result, thinking_before [S, k] bool)."""
         drafts = proposal.draft_token_ids  # [S, k]
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.is_greedy for p in params)
@@ -265,11 +268,13 @@ class Speculator:
         limit = profile["thinking_tokens"] if profile is not None else 0
         host = torch.tensor(
             [
-                [n, en, ratio, top_k, delta, s.thinking, not p.is_greedy, s.num_output_tokens < limit]
+                [float(n), float(en), ratio, float(top_k), delta, float(s.thinking), float(not p.is_greedy),
+                 float(s.num_thinking_tokens), float(_budget(p)), float(s.num_output_tokens < limit)]
                 for n, (en, ratio, top_k, delta), s, p in zip(proposal.num_drafts, settings, seqs, params)
             ],
             dtype=torch.float64,
-        )  # [S, 8]: num_drafts, relax on, ratio, top_k, delta, thinking, sampled, synthetic thinking
+        )  # [S, 10]: num_drafts, relax on, ratio, top_k, delta, thinking, sampled, thinking tokens, budget,
+        # synthetic-profile thinking
         dev = host.to(self.device, non_blocking=True)
         num_drafts, thinking = dev[:, 0].long(), dev[:, 5].bool()
         # Sampled rows reach rejection_sample already scaled, so its temperature is 1 there, 0 = greedy.
@@ -279,6 +284,11 @@ class Speculator:
             flat = target.view(-1, target.shape[-1])
             t = SamplingTensors.from_params([p for p in params for _ in range(self.k + 1)], self.device)
             target = process_logits(flat, t).view_as(target)
+        if self.tracker is not None and any(p.thinking_token_budget is not None for p in params):
+            # Past the budget a row allows only </think>: no other draft is accepted there and the
+            # correction token is the end marker, as in plain decoding.
+            rows = self.tracker.over_budget(thinking, dev[:, 7].long(), dev[:, 8].long(), drafts)
+            force_token(target, rows, self.tracker.think_end_id)
         relax_mask, thinking_before = self._relax_mask(seqs, drafts, num_drafts, thinking, dev[:, 1].bool())
         seeds = None
         if not all_greedy:
@@ -292,11 +302,8 @@ class Speculator:
             dev[:, 4].float(), proposal.draft_probs, self.generator, seeds=seeds, all_greedy=all_greedy,
         )  # fmt: skip
         if self.config.synthetic_acceptance_rate is not None or profile is not None:
-            result = self._synthetic(result, target, drafts, num_drafts, dev[:, 7].bool())
-        thinking_after = thinking
-        if self.tracker is not None:
-            thinking_after = self.tracker.advance(thinking, result.output_token_ids, result.num_accepted + 1)
-        return result, thinking_before, thinking_after
+            result = self._synthetic(result, target, drafts, num_drafts, dev[:, 9].bool())
+        return result, thinking_before
 
     def _relax_mask(
         self,
@@ -342,19 +349,17 @@ class Speculator:
             if b is None:
                 tokens = [next(plain_tokens)] if m else []
                 computed = seq.num_computed_tokens + n
-                thinking = self.tracker.advance_host(seq.thinking, tokens) if self.tracker else None
             else:
                 a = int(host.num_accepted[b])
                 tokens = host.tokens[b, : a + 1].tolist()
                 computed = seq.num_computed_tokens + 1 + a
-                thinking = bool(host.thinking_after[b])
                 if seq.metrics.spec_decode is None:
                     seq.metrics.spec_decode = SpecDecodeMetrics()
                 seq.metrics.spec_decode.observe_step(step, b)
             draft = None
             if proposal.draft_computed is not None:  # the draft's K/V never runs past the target's
                 draft = min(proposal.draft_computed[i], computed)
-            outcomes.append(StepOutcome(tokens, computed, draft, thinking))
+            outcomes.append(StepOutcome(tokens, computed, draft))
         return outcomes
 
     def _synthetic_rates(self, thinking: torch.Tensor) -> torch.Tensor | float:

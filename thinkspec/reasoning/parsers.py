@@ -2,12 +2,17 @@
 
 Splitting rule (identical for a whole output and for a stream of deltas):
 
-- The output starts in the phase the prompt leaves it in (`initial_phase`). Every character
-  belongs to the phase in effect where it stands; `think_start` switches to thinking,
-  `think_end` switches to the answer, and both markers are dropped wherever they occur. So
-  an output that opens with `<think>` (Qwen3 when the template did not open the block) has its
-  text before the marker as content, and an output with no end marker is all reasoning after
-  the start (an unfinished thought).
+- Where the output starts (`ReasoningParser.starts_in_thinking`, vLLM's rules): `deepseek_r1`
+  always starts in reasoning, so everything before a lone end marker is reasoning; `qwen3`
+  starts in reasoning unless the chat template was asked for `enable_thinking=False` (for a raw
+  prompt, unless the prompt itself closed the block, as that template does); a parser built
+  from explicit markers starts in the phase the prompt leaves it in (`initial_phase`). The
+  engine's phase tracker starts in the same phase, so relaxation covers exactly the text
+  returned as reasoning. Every character belongs to the phase in effect where it stands;
+  `think_start` switches to thinking, `think_end` switches to the answer, and both markers are
+  dropped wherever they occur. So an output that starts in the answer and opens with text
+  before `<think>` has that text as content, and an output with no end marker is all reasoning
+  after the start (an unfinished thought).
 - The newlines chat templates put around the markers are dropped, exactly: one `\\n` right
   after a start marker (or at the very start of an output that starts in thinking, whose start
   marker closed the prompt), up to two `\\n` right after an end marker, and one `\\n` right
@@ -19,13 +24,15 @@ Splitting rule (identical for a whole output and for a stream of deltas):
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from thinkspec.reasoning.tracker import PhaseTracker, initial_phase
+
+_START_RULES = ("thinking", "enable_thinking", "prompt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +42,9 @@ class ReasoningParser:
     name: str
     think_start: str
     think_end: str
+    # Where an output starts: "thinking" (always), "enable_thinking" (the chat template flag,
+    # default on), "prompt" (the prompt's last marker). See starts_in_thinking.
+    start_rule: str = "prompt"
     _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +59,10 @@ class ReasoningParser:
                 "ReasoningParser markers must differ and neither may contain the other, got "
                 f"think_start={self.think_start!r}, think_end={self.think_end!r}"
             )
+        if self.start_rule not in _START_RULES:
+            raise ValueError(
+                f"ReasoningParser.start_rule must be one of {_START_RULES}, got {self.start_rule!r}"
+            )
         pattern = re.compile(f"({re.escape(self.think_start)}|{re.escape(self.think_end)})")
         object.__setattr__(self, "_pattern", pattern)
 
@@ -56,6 +70,18 @@ class ReasoningParser:
     def from_tokens(cls, think_start: str, think_end: str) -> ReasoningParser:
         """A generic parser from explicit marker token strings."""
         return cls(name="generic", think_start=think_start, think_end=think_end)
+
+    def starts_in_thinking(self, prompt_state: bool | None, enable_thinking: bool | None = None) -> bool:
+        """Whether the output starts in reasoning. prompt_state: True when the prompt's last think
+        marker opens the block, False when it closes it, None when it has none; enable_thinking:
+        the chat template's flag when the prompt came from a chat request, else None."""
+        if self.start_rule == "thinking":
+            return True
+        if self.start_rule == "enable_thinking":
+            if enable_thinking is not None:
+                return bool(enable_thinking)
+            return prompt_state is not False
+        return prompt_state is True
 
     def split(self, text: str, starts_in_thinking: bool) -> tuple[str | None, str | None]:
         """Whole-output split -> (reasoning_content, content); each None when empty."""
@@ -117,8 +143,8 @@ class ReasoningParser:
 
 
 REASONING_PARSERS: dict[str, ReasoningParser] = {
-    "deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>"),
-    "qwen3": ReasoningParser("qwen3", "<think>", "</think>"),
+    "deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>", start_rule="thinking"),
+    "qwen3": ReasoningParser("qwen3", "<think>", "</think>", start_rule="enable_thinking"),
 }
 
 
@@ -168,6 +194,20 @@ class ResolvedReasoning:
     def initial_phase(self, prompt_token_ids: Sequence[int] | torch.Tensor) -> bool:
         """True when the prompt leaves the model thinking (its last marker is the start marker)."""
         return initial_phase(prompt_token_ids, self.think_start_id, self.think_end_id)
+
+    def starts_in_thinking(
+        self,
+        prompt_token_ids: Sequence[int] | torch.Tensor,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """The phase an output starts in (see ReasoningParser.starts_in_thinking): the split and the
+        engine's phase tracker both start here."""
+        ids = [int(t) for t in torch.as_tensor(prompt_token_ids).reshape(-1).tolist()]
+        state = None
+        if self.think_start_id in ids or self.think_end_id in ids:
+            state = self.initial_phase(ids)
+        enable = (chat_template_kwargs or {}).get("enable_thinking")
+        return self.parser.starts_in_thinking(state, None if enable is None else bool(enable))
 
     def tracker(self) -> PhaseTracker:
         return PhaseTracker(self.think_start_id, self.think_end_id, self.protected_token_ids)

@@ -97,6 +97,37 @@ class PhaseTracker:
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         return bool(self.advance(torch.tensor([thinking]), ids, torch.tensor([len(token_ids)]))[0])
 
+    def step_host(self, thinking: bool, token_id: int) -> tuple[bool, bool]:
+        """(phase after token_id, whether it is a thinking token: emitted while thinking and not a
+        marker), for one committed token on the host; the same rule as advance."""
+        if token_id == self.think_start_id:
+            return True, False
+        if token_id == self.think_end_id:
+            return False, False
+        return thinking, thinking
+
+    def over_budget(
+        self,
+        thinking: torch.Tensor,  # [B] bool
+        num_thinking: torch.Tensor,  # [B] int64: thinking tokens committed so far
+        budget: torch.Tensor,  # [B] int64: thinking_token_budget, -1 = none
+        draft_token_ids: torch.Tensor,  # [B, K] int64
+    ) -> torch.Tensor:  # [B, K+1] bool
+        """True where row r of a verify window (the token after draft[:r]) must be the end marker:
+        the phase there is thinking and the thinking tokens before it reach the budget. Counts
+        along the drafts with the rule of step_host, on the device."""
+        count = num_thinking[:, None]
+        phase = thinking.bool()[:, None]
+        if draft_token_ids.shape[1]:
+            after = _phase_after(
+                thinking.bool(), draft_token_ids, None, self.think_start_id, self.think_end_id, prefix=True
+            )
+            phase = torch.cat([phase, after], dim=1)  # [B, K+1]: phase before each row
+            marker = (draft_token_ids == self.think_start_id) | (draft_token_ids == self.think_end_id)
+            counted = (phase[:, :-1] & ~marker).long().cumsum(dim=1)
+            count = torch.cat([count, count + counted], dim=1)
+        return phase & (budget[:, None] >= 0) & (count >= budget[:, None])
+
     def phase_before(
         self,
         thinking: torch.Tensor,  # [B] bool
@@ -143,3 +174,10 @@ class PhaseTracker:
         return _phase_after(
             thinking.bool(), token_ids, valid, self.think_start_id, self.think_end_id, prefix=False
         )
+
+
+def force_token(logits: torch.Tensor, rows: torch.Tensor, token_id: int) -> None:
+    """In place: where rows [...] is true, logits [..., V] allow token_id only (any sampler, the
+    greedy and the relaxed tests then emit it and accept no other draft)."""
+    logits.masked_fill_(rows[..., None], float("-inf"))
+    logits[..., token_id].masked_fill_(rows, 0.0)

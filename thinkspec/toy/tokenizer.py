@@ -34,6 +34,8 @@ SPLIT_PATTERN = (
 
 # Qwen3's chat format for the parts this model uses: system/user/assistant turns, thinking
 # blocks, `add_generation_prompt`, and `enable_thinking=False` (an empty closed think block).
+# The generation prompt opens the think block, as the R1-distill and QwQ templates do, so the
+# model answers any prompt with reasoning first rather than deciding whether to think.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}"
@@ -50,6 +52,8 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- if enable_thinking is defined and enable_thinking is false -%}"
     "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- else -%}"
+    "{{- '<think>\\n' -}}"
     "{%- endif -%}"
     "{%- endif -%}"
 )

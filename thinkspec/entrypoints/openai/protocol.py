@@ -116,6 +116,7 @@ class _CommonRequest(_Strict):
     relax_ratio: float | None = None
     relax_top_k: int | None = None
     relax_delta: float | None = None
+    thinking_token_budget: int | None = None  # vLLM's field: at most this many tokens inside <think>
 
 
 class ChatCompletionRequest(_CommonRequest):

@@ -182,7 +182,7 @@ class OpenAIServing:
                 kwargs[name] = value
         for name in (
             "min_p", "seed", "stop", "stop_token_ids", "relaxed_thinking", "relax_ratio", "relax_top_k",
-            "relax_delta",
+            "relax_delta", "thinking_token_budget",
         ):  # fmt: skip
             value = getattr(req, name)
             if value is not None:
@@ -280,7 +280,9 @@ class OpenAIServing:
                 f"the chat template failed: {e}", param="messages", code="invalid_value"
             ) from None
         # The template wrote the special tokens; encoding must not add more.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        # The kwargs go along: enable_thinking decides where the reasoning split starts.
+        return {"prompt": text, "prompt_token_ids": ids, "chat_template_kwargs": kwargs}
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
@@ -291,8 +293,8 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = await self._add(request_id, prompt, params, "messages")
-        starts_thinking = self.reasoning is not None and self.reasoning.initial_phase(
-            prompt["prompt_token_ids"]
+        starts_thinking = self.reasoning is not None and self.reasoning.starts_in_thinking(
+            prompt["prompt_token_ids"], prompt["chat_template_kwargs"]
         )
         usage = self._chat_usage(starts_thinking)
         if req.stream:
