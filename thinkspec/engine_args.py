@@ -69,6 +69,9 @@ class EngineArgs:
         "capped by the KV pool's capacity. Prompts longer than min(max_model_len, KV capacity) fail",
     )
     max_num_seqs: int = _option(64, "most requests in one batch")
+    max_logprobs: int = _option(
+        20, "most log-probabilities a request may ask per token (SamplingParams logprobs / prompt_logprobs)"
+    )
     max_num_batched_tokens: int = _option(
         2048, "most tokens in one forward; longer prompts are prefilled in chunks"
     )
@@ -89,9 +92,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _option(
         None,
         "speculative decoding: a SpeculativeConfig, a dict or (on the command line) a JSON object, "
-        "e.g. '{\"method\": \"draft_model\", "
+        'e.g. \'{"method": "draft_model", '
         '"model": "PATH", "num_speculative_tokens": 4, "relaxed_thinking": true, "relax_ratio": 0.3, '
-        "\"relax_top_k\": 3}'",
+        '"relax_top_k": 3}\'',
         type=json_arg,
     )
     load_format: str = _option(
@@ -128,6 +131,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
