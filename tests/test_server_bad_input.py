@@ -36,9 +36,7 @@ JSON = {"Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def engine():
     path = tiny_checkpoint("qwen3", tied=True)
-    config = EngineArgs(
-        model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=MAX_MODEL_LEN
-    )
+    config = EngineArgs(model=str(path), device="cpu", reasoning_parser="qwen3", max_model_len=MAX_MODEL_LEN)
     engine = AsyncLLMEngine(LLMEngine(config))
     engine.start()
     yield engine
@@ -100,7 +98,8 @@ CASES = [
     ("top_p above 1", "POST", COMP, comp(top_p=1.5), AUTH, 400, "top_p", "invalid_value"),
     ("top_k below -1", "POST", CHAT, chat(top_k=-2), AUTH, 400, "top_k", "invalid_value"),
     ("min_p above 1", "POST", CHAT, chat(min_p=1.5), AUTH, 400, "min_p", "invalid_value"),
-    ("n = 2", "POST", CHAT, chat(n=2), AUTH, 400, "n", "invalid_value"),
+    ("n over the cap", "POST", CHAT, chat(n=129), AUTH, 400, "n", "invalid_value"),
+    ("best_of", "POST", COMP, comp(best_of=2), AUTH, 400, "best_of", "unsupported"),
     ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), AUTH, 400, "max_tokens", "invalid_value"),
     (
         "max_tokens over limit",
@@ -136,18 +135,37 @@ CASES = [
         "stop_token_ids",
         "invalid_value",
     ),
-    ("logprobs (chat)", "POST", CHAT, chat(logprobs=True), AUTH, 400, "logprobs", "unsupported"),
-    ("logprobs (completions)", "POST", COMP, comp(logprobs=2), AUTH, 400, "logprobs", "unsupported"),
-    ("echo", "POST", COMP, comp(echo=True), AUTH, 400, "echo", "unsupported"),
+    (
+        "top_logprobs without logprobs",
+        "POST",
+        CHAT,
+        chat(top_logprobs=2),
+        AUTH,
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    ("logprobs over max_logprobs", "POST", COMP, comp(logprobs=21), AUTH, 400, "logprobs", "invalid_value"),
+    ("n = 0", "POST", COMP, comp(n=0), AUTH, 400, "n", "invalid_value"),
     (
         "presence_penalty",
         "POST",
         CHAT,
-        chat(presence_penalty=0.5),
+        chat(presence_penalty=2.5),
         AUTH,
         400,
         "presence_penalty",
-        "unsupported",
+        "invalid_value",
+    ),
+    (
+        "repetition_penalty",
+        "POST",
+        COMP,
+        comp(repetition_penalty=0.0),
+        AUTH,
+        400,
+        "repetition_penalty",
+        "invalid_value",
     ),
     ("unknown field", "POST", CHAT, chat(frobnicate=1), AUTH, 400, "frobnicate", "extra_forbidden"),
     (

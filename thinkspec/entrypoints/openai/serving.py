@@ -18,6 +18,7 @@ from typing import Any
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from thinkspec.entrypoints.openai.drain import Drain
+from thinkspec.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from thinkspec.entrypoints.openai.metrics import ServerMetrics
 from thinkspec.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -27,7 +28,7 @@ from thinkspec.entrypoints.openai.protocol import (
     engine_error,
     sampling_error,
 )
-from thinkspec.outputs import RequestOutput
+from thinkspec.outputs import CompletionOutput, RequestOutput
 from thinkspec.sampling_params import SamplingParams
 
 
@@ -45,12 +46,12 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def _usage(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _finish_reason(out: RequestOutput) -> str:
-    reason = out.outputs[0].finish_reason
+def _finish_reason(out: RequestOutput, index: int = 0) -> str:
+    reason = out.outputs[index].finish_reason
     if reason == "error":
         status = out.error_status or 500
         code = "invalid_input" if status < 500 else "engine_error"
@@ -76,9 +77,8 @@ class _TextStream:
         stops = params.stop if not params.include_stop_str_in_output else []
         self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def delta(self, out: RequestOutput) -> str:
-        text = out.outputs[0].text
-        end = len(text) if out.finished else max(self.sent, len(text) - self.hold)
+    def delta(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else max(self.sent, len(text) - self.hold)
         piece = text[self.sent : end]
         self.sent = end
         return piece
@@ -138,11 +138,17 @@ class OpenAIServing:
                 kwargs[name] = value
         for name in (
             "min_p", "seed", "stop", "stop_token_ids", "relaxed_thinking", "relax_ratio", "relax_top_k",
-            "relax_delta",
+            "relax_delta", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
         ):  # fmt: skip
             value = getattr(req, name)
             if value is not None:
                 kwargs[name] = value
+        if isinstance(req, ChatCompletionRequest):
+            kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            kwargs["logprobs"] = req.logprobs
+            if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+                kwargs["prompt_logprobs"] = req.logprobs  # echo shows the prompt's logprobs too
         try:
             return SamplingParams(
                 n=req.n,
@@ -253,25 +259,30 @@ class OpenAIServing:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return self._chat_stream(stream, created, params, starts_thinking, include_usage)
         out = await self._collect(stream)
-        completion = out.outputs[0]
-        if self.reasoning is not None:
-            reasoning, content = self.reasoning.split(completion.text, starts_thinking)
-        else:
-            reasoning, content = None, completion.text
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": created,
             "model": self.config.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(out),
-                }
-            ],
+            "choices": [self._chat_choice(out, c, params, starts_thinking) for c in out.outputs],
             "usage": _usage(out),
+        }
+
+    def _chat_choice(
+        self, out: RequestOutput, c: CompletionOutput, params: SamplingParams, starts_thinking: bool
+    ) -> dict[str, Any]:
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(c.text, starts_thinking)
+        else:
+            reasoning, content = None, c.text
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+            "logprobs": logprobs,
+            "finish_reason": _finish_reason(out, c.index),
         }
 
     def _chat_stream(
@@ -290,34 +301,54 @@ class OpenAIServing:
             "model": model,
         }
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(
+            delta: dict[str, Any], index: int, finish_reason: str | None = None, logprobs: Any = None
+        ) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return _sse({**base, "choices": [choice]})
 
-        text = _TextStream(params)
-        split = self.reasoning.stream(starts_thinking) if self.reasoning is not None else None
+        n = params.n
+        texts = [_TextStream(params) for _ in range(n)]
+        splits = [
+            self.reasoning.stream(starts_thinking) if self.reasoning is not None else None for _ in range(n)
+        ]
+        sent_lp = [0] * n
 
-        def events(out: RequestOutput) -> list[str]:
-            piece = text.delta(out)
+        def choice_events(c: CompletionOutput) -> list[str]:
+            i, finished = c.index, c.finish_reason is not None
+            piece, split = texts[i].delta(c.text, finished), splits[i]
             if split is None:
                 reasoning, content = None, piece or None
             else:
                 reasoning, content = split.feed(piece)
-                if out.finished:
+                if finished:
                     tail_r, tail_c = split.finish()
                     reasoning = (reasoning or "") + (tail_r or "") or None
                     content = (content or "") + (tail_c or "") or None
-            deltas = (("reasoning_content", reasoning), ("content", content))
-            return [chunk({key: value}) for key, value in deltas if value is not None]
+            deltas = [
+                (key, value)
+                for key, value in (("reasoning_content", reasoning), ("content", content))
+                if value
+            ]
+            logprobs = None
+            if c.logprobs is not None and len(c.logprobs) > sent_lp[i]:
+                new = slice(sent_lp[i], len(c.logprobs))
+                logprobs = chat_logprobs(c.token_ids[new], c.logprobs[new], params.logprobs or 0)
+                sent_lp[i] = len(c.logprobs)
+                deltas = deltas or [("content", "")]
+            last = len(deltas) - 1
+            return [
+                chunk({k: v}, i, logprobs=logprobs if j == last else None) for j, (k, v) in enumerate(deltas)
+            ]
 
-        return self._sse_stream(
-            stream,
-            events,
-            lambda last: chunk({}, _finish_reason(last)),
-            base,
-            include_usage,
-            first=chunk({"role": "assistant", "content": ""}),
-        )
+        def events(out: RequestOutput) -> list[str]:
+            return [e for c in out.outputs for e in choice_events(c)]
+
+        def final(last: RequestOutput) -> str:
+            return "".join(chunk({}, c.index, _finish_reason(last, c.index)) for c in last.outputs)
+
+        first = "".join(chunk({"role": "assistant", "content": ""}, i) for i in range(n))
+        return self._sse_stream(stream, events, final, base, include_usage, first=first)
 
     async def _sse_stream(
         self,
@@ -376,40 +407,81 @@ class OpenAIServing:
         stream = await self._add(request_id, prompt, params, "prompt")
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return self._completion_stream(stream, created, params, include_usage)
+            return self._completion_stream(stream, created, params, include_usage, req)
         out = await self._collect(stream)
         return {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": self.config.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": out.outputs[0].text,
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(out),
-                }
-            ],
+            "choices": [self._completion_choice(out, c, req) for c in out.outputs],
             "usage": _usage(out),
         }
 
+    def _completion_choice(
+        self, out: RequestOutput, c: CompletionOutput, req: CompletionRequest
+    ) -> dict[str, Any]:
+        prompt_text = self._prompt_text(out) if req.echo else ""
+        logprobs = None
+        if c.logprobs is not None:
+            num = req.logprobs or 0
+            ids, entries = list(c.token_ids), list(c.logprobs)
+            if req.echo and out.prompt_logprobs is not None:
+                ids, entries = list(out.prompt_token_ids) + ids, list(out.prompt_logprobs) + entries
+            logprobs = completion_logprobs(ids, entries, num, self.tokenizer)
+        return {
+            "index": c.index,
+            "text": prompt_text + c.text,
+            "logprobs": logprobs,
+            "finish_reason": _finish_reason(out, c.index),
+        }
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
     def _completion_stream(
-        self, stream: RequestStream, created: int, params: SamplingParams, include_usage: bool
+        self,
+        stream: RequestStream,
+        created: int,
+        params: SamplingParams,
+        include_usage: bool,
+        req: CompletionRequest,
     ) -> AsyncIterator[str]:
         model = self.config.served_model_name
         base = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
 
-        def chunk(piece: str, finish_reason: str | None = None) -> str:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(piece: str, index: int, finish_reason: str | None = None, logprobs: Any = None) -> str:
+            choice = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
             return _sse({**base, "choices": [choice]})
 
-        text = _TextStream(params)
+        n, num = params.n, req.logprobs or 0
+        texts = [_TextStream(params) for _ in range(n)]
+        sent_lp = [0] * n
+        echoed = [not req.echo] * n
+
+        def choice_events(out: RequestOutput, c: CompletionOutput) -> list[str]:
+            i = c.index
+            piece = texts[i].delta(c.text, c.finish_reason is not None)
+            ids: list[int] = []
+            entries: list[Any] = []
+            if not echoed[i]:
+                echoed[i] = True
+                piece = self._prompt_text(out) + piece
+                if c.logprobs is not None and out.prompt_logprobs is not None:
+                    ids, entries = list(out.prompt_token_ids), list(out.prompt_logprobs)
+            if c.logprobs is not None and len(c.logprobs) > sent_lp[i]:
+                ids += c.token_ids[sent_lp[i] :]
+                entries += c.logprobs[sent_lp[i] :]
+                sent_lp[i] = len(c.logprobs)
+            logprobs = completion_logprobs(ids, entries, num, self.tokenizer) if ids else None
+            return [chunk(piece, i, logprobs=logprobs)] if piece or logprobs else []
 
         def events(out: RequestOutput) -> list[str]:
-            piece = text.delta(out)
-            return [chunk(piece)] if piece else []
+            return [e for c in out.outputs for e in choice_events(out, c)]
 
-        return self._sse_stream(
-            stream, events, lambda last: chunk("", _finish_reason(last)), base, include_usage
-        )
+        def final(last: RequestOutput) -> str:
+            return "".join(chunk("", c.index, _finish_reason(last, c.index)) for c in last.outputs)
+
+        return self._sse_stream(stream, events, final, base, include_usage)
