@@ -259,9 +259,11 @@ def test_abort_through_the_engine_returns_partial_output(llm):
     assert final[0].metrics.finished_time is not None
 
 
-def test_n_greater_than_one_is_refused():
-    with pytest.raises(ValueError, match="not supported"):
-        SamplingParams(n=2)
+def test_logprobs_above_max_logprobs_is_refused(llm):
+    with pytest.raises(ValueError, match=r"logprobs=21 must be in \[0, 20\]"):
+        llm.llm_engine.add_request([1, 2], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match=r"prompt_logprobs=21 must be in \[0, 20\]"):
+        llm.llm_engine.add_request([1, 2], SamplingParams(prompt_logprobs=21))
 
 
 def test_bad_llm_arguments_fail_before_loading():

@@ -140,26 +140,44 @@ def test_self_draft_accepts_everything(target):
 # ---- sampling keeps the target's distribution ---------------------------------------------------
 
 
-def _exact_second_token_distribution(path: Path, prompt: list[int]) -> np.ndarray:
-    """P(x2 | prompt) = sum_x1 P(x1) P(x2 | prompt, x1), with transformers' own model, float64."""
+def _exact_second_token_distribution(
+    path: Path, prompt: list[int], penalties: dict | None = None
+) -> np.ndarray:
+    """P(x2 | prompt) = sum_x1 P(x1) P(x2 | prompt, x1), with transformers' own model, float64;
+    with penalties, each row penalised as SamplingParams specifies (repetition over prompt + output,
+    presence / frequency over the output)."""
     import transformers
 
+    pen = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, **(penalties or {})}
+    rep = pen["repetition_penalty"]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        p1 = model(ids).logits[0, -1].double().softmax(-1)  # [V]
-        vocab = p1.shape[0]
+        l1 = model(ids).logits[0, -1].double()  # [V]
+        vocab = l1.shape[0]
         batch = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = model(batch).logits[:, -1].double().softmax(-1)  # [V, V]
+        l2 = model(batch).logits[:, -1].double()  # [V, V]
+    in_prompt = torch.zeros(vocab, dtype=torch.bool)
+    in_prompt[prompt] = True
+    l1 = torch.where(in_prompt, torch.where(l1 > 0, l1 / rep, l1 * rep), l1)
+    seen = in_prompt[None, :] | torch.eye(vocab, dtype=torch.bool)  # row x1 has x1 in its output
+    l2 = torch.where(seen, torch.where(l2 > 0, l2 / rep, l2 * rep), l2)
+    l2 = l2 - (pen["presence_penalty"] + pen["frequency_penalty"]) * torch.eye(vocab, dtype=torch.float64)
+    p1, p2 = l1.softmax(-1), l2.softmax(-1)
     return (p1[:, None] * p2).sum(0).numpy()
 
 
+PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 0.7, "frequency_penalty": 0.8}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_seeded_sampling_keeps_target_distribution(method, target, draft):
+@pytest.mark.parametrize(
+    "method, penalties", [("draft", None), ("ngram", None), ("draft", PENALTIES), ("ngram", PENALTIES)]
+)
+def test_seeded_sampling_keeps_target_distribution(method, penalties, target, draft):
     # Most tokens occur in the prompt, so the n-gram proposer finds a continuation for most x1.
     prompt = [72, 105, 33, *range(34, 250), 72, 105]
-    expected = _exact_second_token_distribution(target, prompt)
+    expected = _exact_second_token_distribution(target, prompt, penalties)
     cfg = (
         {"model": str(draft), "num_speculative_tokens": K}
         if method == "draft"
@@ -167,7 +185,10 @@ def test_seeded_sampling_keeps_target_distribution(method, target, draft):
     )
     llm = LLM(target, device="cpu", max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=cfg)
     n = 3000
-    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i, **(penalties or {}))
+        for i in range(n)
+    ]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     second = np.array([o.outputs[0].token_ids[1] for o in outs])
     m = llm.last_spec_metrics

@@ -69,6 +69,9 @@ class EngineArgs:
         "capped by the KV pool's capacity. Prompts longer than min(max_model_len, KV capacity) fail",
     )
     max_num_seqs: int = _option(64, "most requests in one batch")
+    max_logprobs: int = _option(
+        20, "most log-probabilities a request may ask per token (SamplingParams logprobs / prompt_logprobs)"
+    )
     max_num_batched_tokens: int = _option(
         2048, "most tokens in one forward; longer prompts are prefilled in chunks"
     )
@@ -164,6 +167,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"

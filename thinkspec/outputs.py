@@ -10,10 +10,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log-probability (the model's raw distribution), its 1-based rank, its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob}, the chosen token first, then the top alternatives by rank.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs, when logprobs asked
+    logprobs: list[PositionLogprobs] | None = None  # one per token_ids entry, when logprobs asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
     reasoning_content: str | None = None  # set when the engine has a reasoning parser
@@ -61,4 +76,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); None otherwise
     error_status: int | None = None  # with error: 400 when the request's input caused it, 500 otherwise
-    num_cached_tokens: int = field(default=0)
+    num_cached_tokens: int = field(default=0)  # summed over the n sequences of the request
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None, then one per prompt token]

@@ -16,6 +16,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+# Parallel sampling: each of the n sequences is a request of its own in the batch.
+MAX_N = 128
+# vLLM's ranges for the OpenAI penalties.
+MAX_ABS_PENALTY = 2.0
 
 
 def _show(value: object, limit: int = 60) -> str:
@@ -58,6 +62,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # [-2, 2]: minus this from tokens already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0: HF's, over prompt + output (divide positive, multiply negative)
+    logprobs: int | None = None  # top log-probabilities per output token (+ the chosen one); 0 = chosen only
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     relaxed_thinking: bool | None = None
     relax_ratio: float | None = None
     relax_top_k: int | None = None
@@ -66,10 +75,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(
-                f"n={_show(self.n)} is not supported: thinkspec generates one completion per request"
-            )
+        _check_int("n", self.n, 1, MAX_N)
         _check_number("temperature", self.temperature, lo=0.0)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, what="(0, 1]")
         _check_int("top_k", self.top_k, -1, INT64_MAX, f"-1 or 0 (off) or an integer in [1, {INT64_MAX}]")
@@ -83,6 +89,14 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), lo=-MAX_ABS_PENALTY, hi=MAX_ABS_PENALTY)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, what="(0, inf)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                # The engine also caps them at its max_logprobs.
+                _check_int(name, value, 0, INT64_MAX, "None or an integer >= 0")
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {_show(self.stop)}")
@@ -119,6 +133,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _check_number(

@@ -7,16 +7,20 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from thinkspec.engine.async_scheduling import InFlight, TokenCopies
 from thinkspec.engine.factory import build_engine_parts
 from thinkspec.engine.faults import recover_from_step_fault
+from thinkspec.engine.parallel_sampling import ParentRequest, child_id, child_params
 from thinkspec.engine.request_checks import check_prompt_input, check_stop_token_ids, token_vocab_size
-from thinkspec.engine.scheduler import SchedulerOutput
-from thinkspec.engine.sequence import Sequence, force_think_end_over_budget, mask_stops_before_min_tokens
+from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_logprobs, sample_with_extras
+from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
+from thinkspec.engine.sequence import Sequence
 from thinkspec.engine_args import EngineArgs
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from thinkspec.sampling.logprobs import HostLogprobs, LogprobsTensors
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.utils import logger
@@ -43,6 +47,7 @@ class LLMEngine:
         self.reasoning, self.speculator = parts.reasoning, parts.speculator
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by request id
         self.async_scheduling = self.speculator is None and (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
@@ -88,11 +93,28 @@ class LLMEngine:
         # The parser's starting phase, so relaxation covers exactly the text returned as reasoning.
         kwargs = prompt.get("chat_template_kwargs") if isinstance(prompt, Mapping) else None
         starts = self.reasoning is not None and self.reasoning.starts_in_thinking(token_ids, kwargs)
-        seq = Sequence(
-            request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-            has_draft=self.draft_model is not None, thinking=starts, starts_thinking=starts,
-        )  # fmt: skip
-        self.scheduler.add(seq)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"request {request_id!r}: {name}={value} must be in [0, {self.config.max_logprobs}] "
+                    "(the engine's max_logprobs)"
+                )
+        if params.n > 1 and request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seqs = [
+            Sequence(
+                child_id(request_id, i) if params.n > 1 else request_id, token_ids,
+                child_params(params, i) if params.n > 1 else params, prompt=text,
+                eos_token_ids=self.eos_token_ids, has_draft=self.draft_model is not None,
+                thinking=starts, starts_thinking=starts,
+                parent_id=request_id if params.n > 1 else None, index=i,
+            )
+            for i in range(params.n)
+        ]  # fmt: skip
+        self.scheduler.add(seqs[0])
+        if params.n > 1:
+            self._parents[request_id] = ParentRequest(request_id, seqs, held=seqs[1:])
         return request_id
 
     def next_request_id(self) -> str:
@@ -136,19 +158,31 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its final output (finish_reason "abort", tokens so far) comes with the
         next step()."""
-        flight = self._in_flight
-        target = self.scheduler.requests.get(request_id)
-        pending = flight is not None and any(p is target for _, p in flight.pending)
-        seq = self.scheduler.abort(request_id, drop_pending=pending)  # its in-flight token goes with it
-        if seq is not None:
-            if pending:
-                flight.drop(seq)
-            self._pending_outputs.append(self.make_output(seq))
+        parent = self._parents.get(request_id)
+        seqs = parent.seqs if parent is not None else [self.scheduler.requests.get(request_id)]
+        if parent is not None:
+            for seq in parent.held:
+                seq.finish("abort")
+            parent.held = []
+        aborted = None
+        for target in seqs:
+            if target is None or target.is_finished:
+                continue
+            flight = self._in_flight
+            pending = flight is not None and any(p is target for _, p in flight.pending)
+            seq = self.scheduler.abort(target.request_id, drop_pending=pending)  # with its in-flight token
+            if seq is not None:
+                if pending:
+                    flight.drop(seq)
+                aborted = seq
+        if aborted is not None:
+            self._pending_outputs.append(self.make_output(aborted))
 
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()
             or bool(self._pending_outputs)
+            or any(p.held for p in self._parents.values())
             or self._in_flight is not None
         )
 
@@ -174,6 +208,9 @@ class LLMEngine:
         the next step() launches the following step first, feeding it those tokens on the device,
         and only then waits for them and commits them; its outputs come one step() later."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        for parent in self._parents.values():
+            for seq in parent.release():
+                self.scheduler.add(seq)
         flight = self._in_flight
         if flight is not None and not (
             self.async_scheduling and self.scheduler.can_run_ahead([s for _, s in flight.pending])
@@ -212,33 +249,77 @@ class LLMEngine:
     def _plain_step(
         self, sched: SchedulerOutput, flight: InFlight | None, finished_only: bool
     ) -> list[RequestOutput]:
-        """One forward + sample; with async scheduling, left in flight when every sequence samples."""
+        """One forward + sample; with async scheduling, left in flight when every sequence samples
+        and none asks for penalties or logprobs (those need the committed tokens on the host)."""
         sample_mask = sched.sample_mask()
         device_tokens = None
         if flight is not None:  # every sequence of this step decodes the token pending in flight
             assert self._copies is not None
             device_tokens = self._copies.feed(flight, sched.seqs)
+        prompt_rows = PromptRows.build(sched.seqs, sched.num_new_tokens, sample_mask)
+        num_logits = [int(m) for m in sample_mask] if prompt_rows is None else prompt_rows.num_logits
         logits = self.model_runner.execute_model(
-            sched.seqs, sched.num_new_tokens, [int(m) for m in sample_mask], device_tokens=device_tokens
-        )  # [N, V] float32, one row per sampling sequence
+            sched.seqs, sched.num_new_tokens, num_logits, device_tokens=device_tokens
+        )  # [N, V] float32, one row per sampling sequence (and prompt rows for prompt_logprobs)
+        prompt_lp = None
+        if prompt_rows is not None:
+            prompt_lp = prompt_rows.logprobs(logits)
+            logits = logits[torch.tensor(prompt_rows.sample_rows, dtype=torch.long).to(logits.device)]
         sampled = [s for s, m in zip(sched.seqs, sample_mask) if m]
-        tokens = None
+        tokens = extras = lp = None
         if sampled:
-            mask_stops_before_min_tokens(logits.unsqueeze(1), sampled)
-            if self.reasoning is not None:
-                force_think_end_over_budget(logits, sampled, self.reasoning.think_end_id)
-            params, positions = [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled]
-            tokens = self.sampler(logits, params, positions)
-        if tokens is not None and self.async_scheduling and self._copies is not None and all(sample_mask):
+            think_end = self.reasoning.think_end_id if self.reasoning is not None else None
+            tokens, extras, lp = sample_with_extras(self.sampler, logits, sampled, think_end)
+        if (
+            tokens is not None and self.async_scheduling and self._copies is not None and all(sample_mask)
+            and extras is None and prompt_rows is None
+        ):  # fmt: skip
             new_flight = self._copies.launch(tokens)
             outputs = self._commit_in_flight(finished_only) if flight is not None else []
             new_flight.pending = self.scheduler.launch_pending(sched)
             self._in_flight = new_flight
             return outputs
         assert flight is None  # a step after one in flight decodes every sequence
-        it = iter(tokens.tolist() if tokens is not None else [])
-        changed = self.scheduler.postprocess(sched, [[next(it)] if m else [] for m in sample_mask])
-        return self._outputs(changed, finished_only)
+        outcomes = self._plain_outcomes(sched, sample_mask, tokens, extras, lp, prompt_rows, prompt_lp)
+        return self._outputs(self.scheduler.apply(sched, outcomes), finished_only)
+
+    def _plain_outcomes(
+        self,
+        sched: SchedulerOutput,
+        sample_mask: list[bool],
+        tokens: torch.Tensor | None,  # [S] int64
+        extras: StepExtras | None,
+        lp: LogprobsTensors | None,
+        prompt_rows: PromptRows | None,
+        prompt_lp: LogprobsTensors | None,
+    ) -> list[StepOutcome]:
+        """Bring tokens and logprobs to the host in one copy; one StepOutcome per scheduled sequence."""
+        parts = [
+            t
+            for t in (tokens, lp.pack() if lp else None, prompt_lp.pack() if prompt_lp else None)
+            if t is not None
+        ]
+        if not parts:
+            host = np.zeros(0, dtype=np.int64)
+        else:
+            host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        num_tokens = 0 if tokens is None else tokens.numel()
+        token_list = host[:num_tokens].tolist()
+        outcomes = sched.plain_outcomes([[token_list.pop(0)] if m else [] for m in sample_mask])
+        rest = host[num_tokens:]
+        if lp is not None and extras is not None:
+            size = HostLogprobs.size(len(extras.logprob_rows), extras.num_logprobs)
+            sampled_index = [i for i, m in enumerate(sample_mask) if m]
+            attach_logprobs(
+                [outcomes[i] for i in sampled_index], [sched.seqs[i] for i in sampled_index], extras,
+                rest[:size], 1, self.tokenizer,
+            )  # fmt: skip
+            rest = rest[size:]
+        if prompt_lp is not None and prompt_rows is not None:
+            host_lp = HostLogprobs.unpack(rest, len(prompt_rows.token_ids), prompt_rows.num)
+            for i, entries in prompt_rows.entries(host_lp, sched.seqs, self.tokenizer).items():
+                outcomes[i].prompt_logprobs = entries
+        return outcomes
 
     def _commit_in_flight(self, finished_only: bool) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens and commit them (one host sync)."""
@@ -252,15 +333,45 @@ class LLMEngine:
         return self._outputs(changed, finished_only)
 
     def _outputs(self, seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
-        return [self.make_output(s) for s in seqs if s.is_finished or not finished_only]
+        outputs, parents = [], set()
+        for s in seqs:
+            if s.parent_id is not None:  # one output per request, however many of its sequences moved
+                if s.parent_id in parents or (finished_only and not self._parents[s.parent_id].finished):
+                    continue
+                parents.add(s.parent_id)
+            if s.is_finished or not finished_only or s.parent_id is not None:
+                outputs.append(self.make_output(s))
+        return outputs
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        """Cumulative output of seq. reasoning_content / content are filled once it is finished
-        (streaming consumers split deltas themselves with the parser's ReasoningStream)."""
+        """Cumulative output of seq's request (all n completions when n > 1). reasoning_content /
+        content are filled once a completion is finished (streaming consumers split deltas
+        themselves with the parser's ReasoningStream)."""
+        parent = self._parents.get(seq.parent_id) if seq.parent_id is not None else None
+        seqs = parent.seqs if parent is not None else [seq]
+        finished = all(s.is_finished for s in seqs)
+        metrics = parent.metrics() if parent is not None else seq.metrics
+        if parent is not None and finished:
+            del self._parents[parent.request_id]
+        return RequestOutput(
+            request_id=seq.parent_id or seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[self._completion(s) for s in seqs],
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=metrics.num_cached_tokens,
+            prompt_logprobs=list(seqs[0].prompt_logprobs) if seqs[0].prompt_logprobs is not None else None,
+        )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        logprobs = seq.output_logprobs
         completion = CompletionOutput(
-            index=0,
+            index=seq.index,
             text=seq.output_text,
             token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -268,15 +379,7 @@ class LLMEngine:
             completion.reasoning_content, completion.content = self.reasoning.split(
                 seq.output_text, seq.starts_thinking
             )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished,
-            metrics=seq.metrics,
-            num_cached_tokens=seq.metrics.num_cached_tokens,
-        )
+        return completion
 
     @staticmethod
     def error_output(request_id: str, prompt: str | None, token_ids: list[int], error: str) -> RequestOutput:

@@ -248,4 +248,5 @@ def _build_speculator(
     return Speculator(
         args.speculative_config, target_runner=target_runner, draft_runner=draft_runner, reasoning=reasoning,
         sampler=sampler, vocab_size=models.info.vocab_size, max_model_len=max_model_len, seed=args.seed,
+        tokenizer=models.tokenizer,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from typing import Any
 
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, commit_token
+from thinkspec.outputs import PositionLogprobs
 from thinkspec.reasoning.tracker import PhaseTracker
 
 
@@ -30,6 +31,8 @@ class StepOutcome:
     token_ids: list[int]  # tokens to commit (empty for a mid-prompt chunk)
     num_computed_tokens: int  # leading tokens whose target K/V is now valid
     num_draft_computed_tokens: int | None = None  # the draft model's, when there is one
+    logprobs: list[PositionLogprobs] | None = None  # one per token_ids entry, for requests that ask
+    prompt_logprobs: list[PositionLogprobs] | None = None  # the next prompt positions', when asked
 
 
 @dataclass(slots=True)
@@ -124,7 +127,9 @@ class Scheduler:
         # Admit new work only when the running set fits: a preemption means memory is short.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.get_computed_blocks(seq)
+            # Prompt logprobs need the logits of every prompt position: no cache hits until they are held.
+            lp = seq.prompt_logprobs
+            hits = [] if lp is not None and len(lp) < seq.num_prompt_tokens else bm.get_computed_blocks(seq)
             num_computed = len(hits) * bm.block_size
             num_new = min(self._num_to_compute(seq, num_computed, num_lookahead_tokens), budget)
             need = self._slots_needed(seq, num_computed, num_new, num_lookahead_tokens)
@@ -166,11 +171,18 @@ class Scheduler:
         seq.num_computed_tokens = outcome.num_computed_tokens
         if outcome.num_draft_computed_tokens is not None:
             seq.num_draft_computed_tokens = outcome.num_draft_computed_tokens
+        if outcome.prompt_logprobs and seq.prompt_logprobs is not None:
+            # A resumed sequence recomputes its prompt: positions already held are kept.
+            room = seq.num_prompt_tokens - len(seq.prompt_logprobs)
+            seq.prompt_logprobs.extend(outcome.prompt_logprobs[:room])
         tracker = self.tracker
-        for token_id in outcome.token_ids:
+        for i, token_id in enumerate(outcome.token_ids):
             if tracker is not None:  # phase and thinking budget follow exactly the committed tokens
                 seq.thinking, counted = tracker.step_host(seq.thinking, token_id)
                 seq.num_thinking_tokens += counted
+            if outcome.logprobs is not None and seq.output_logprobs is not None:
+                seq.output_logprobs.append(outcome.logprobs[i])
+                seq.cumulative_logprob += outcome.logprobs[i][token_id].logprob
             if commit_token(seq, token_id, max_model_len=self.max_model_len, tokenizer=self.tokenizer):
                 break
         # After the tokens are appended: a block is hashed over the tokens its K/V was written for.

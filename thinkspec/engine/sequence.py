@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from thinkspec.outputs import RequestMetrics
+from thinkspec.outputs import PositionLogprobs, RequestMetrics
 from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.utils import detokenize_incrementally, initial_detokenize_offsets
@@ -61,11 +61,23 @@ class Sequence:
     thinking: bool = False
     starts_thinking: bool = False  # the phase the output started in (the reasoning split's start)
     num_thinking_tokens: int = 0  # output tokens committed inside <think> (markers not counted)
+    # Parallel sampling (n > 1): the request this sequence is one completion of, and its index.
+    parent_id: str | None = None
+    index: int = 0
+    # Log-probabilities, when the request asks (None otherwise): one entry per output token, and
+    # [None, one per prompt token after the first].
+    output_logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt is empty (0 tokens)")
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         self.token_ids = list(self.prompt_token_ids)
         self.prefix_offset, self.read_offset = initial_detokenize_offsets(len(self.prompt_token_ids))
         self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=self.num_prompt_tokens)

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.model_runner import ModelRunner
+from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_logprobs, sample_with_extras
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
-from thinkspec.engine.sequence import Sequence, force_think_end_over_budget, mask_stops_before_min_tokens
+from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.reasoning.parsers import ResolvedReasoning
 from thinkspec.reasoning.tracker import force_token
+from thinkspec.sampling.logprobs import HostLogprobs, LogprobsTensors
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_model import DraftModelProposer
@@ -54,9 +57,14 @@ class VerifyBatch:
     def spec_of(self) -> dict[int, int]:
         return {i: b for b, i in enumerate(self.spec_index)}
 
-    def logits_rows(self, k: int) -> tuple[list[int], np.ndarray]:
-        """Rows of the target's logits: those of plain sampled sequences [P], and each window's
-        [S, k+1] (padded with the window's first row, never read as a decision)."""
+    def row_starts(self) -> list[int]:
+        """[M] each sequence's first row in the target's logits."""
+        return np.concatenate([[0], np.cumsum(self.num_logits)[:-1]]).astype(int).tolist()
+
+    def logits_rows(self, k: int, sample_mask: list[bool]) -> tuple[list[int], np.ndarray]:
+        """Rows of the target's logits: those of plain sampled sequences [P] (a chunk that also
+        scores prompt tokens samples from its last row), and each window's [S, k+1] (padded with
+        the window's first row, never read as a decision)."""
         spec_of = self.spec_of
         plain: list[int] = []
         windows = np.zeros((len(self.spec_index), k + 1), dtype=np.int64)
@@ -64,7 +72,8 @@ class VerifyBatch:
         for i, nl in enumerate(self.num_logits):
             b = spec_of.get(i)
             if b is None:
-                plain.extend(range(row, row + nl))
+                if sample_mask[i]:
+                    plain.append(row + nl - 1)
             else:
                 windows[b, :nl] = np.arange(row, row + nl)
                 windows[b, nl:] = row
@@ -81,6 +90,7 @@ class HostPack:
     num_accepted: np.ndarray  # [S]
     relaxed: np.ndarray  # [S, k] bool, accepted only by the relaxed test
     thinking_before: np.ndarray  # [S, k] bool, the phase before each draft position
+    extra: np.ndarray  # [X] int64: the packed logprobs that rode along, in the order given
 
     @classmethod
     def fetch(
@@ -89,8 +99,11 @@ class HostPack:
         result: RejectionResult | None,
         thinking_before: torch.Tensor | None,  # [S, k] bool
         k: int,
+        extra: list[torch.Tensor] | None = None,  # flat int64 tensors (LogprobsTensors.pack())
     ) -> HostPack:
         parts = [plain] if plain is not None else []
+        extra = extra or []
+        num_extra = sum(t.numel() for t in extra)
         if result is not None:
             columns = [
                 result.output_token_ids,  # k + 1
@@ -99,15 +112,17 @@ class HostPack:
                 thinking_before.long(),  # k
             ]
             parts.append(torch.cat(columns, dim=1).flatten())
+        parts += extra
         host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.int64)
         num_plain = 0 if plain is None else plain.numel()
-        spec = host[num_plain:].reshape(-1, 3 * k + 2)
+        spec = host[num_plain : host.size - num_extra].reshape(-1, 3 * k + 2)
         return cls(
             plain_tokens=host[:num_plain].tolist(),
             tokens=spec[:, : k + 1],
             num_accepted=spec[:, k + 1],
             relaxed=spec[:, k + 2 : 2 * k + 2].astype(bool),
             thinking_before=spec[:, 2 * k + 2 : 3 * k + 2].astype(bool),
+            extra=host[host.size - num_extra :],
         )
 
 
@@ -128,6 +143,7 @@ class Speculator:
         vocab_size: int,
         max_model_len: int,
         seed: int,
+        tokenizer: Any | None = None,  # decodes the tokens of logprobs entries
     ) -> None:
         if config.num_speculative_tokens is None:
             raise ValueError("SpeculativeConfig.num_speculative_tokens is required to speculate")
@@ -138,6 +154,7 @@ class Speculator:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
         self.tracker = reasoning.tracker() if reasoning is not None else None
         self.proposer: Proposer
         if draft_runner is not None:
@@ -187,27 +204,68 @@ class Speculator:
         ]
         max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
         proposal = self.proposer.propose(ProposalInput(seqs, num_new, spec_index, max_drafts))
-        batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal)
+        prompt_rows = PromptRows.build(seqs, num_new, sample_mask)
+        batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal, prompt_rows)
         logits = self.target_runner.execute_model(
             seqs, batch.num_new, batch.num_logits, input_token_ids=batch.input_ids,
             device_tokens=batch.device_tokens,
         )  # fmt: skip  # [N, V] float32
-        plain_rows, windows = batch.logits_rows(self.k)
+        plain_rows, windows = batch.logits_rows(self.k, sample_mask)
         spec_of = batch.spec_of
         plain_seqs = [seqs[i] for i, m in enumerate(sample_mask) if m and i not in spec_of]
-        plain_tokens = self._sample_plain(logits, plain_rows, plain_seqs)
-        result = thinking_before = None
+        plain_tokens, plain_extras, plain_lp = self._sample_plain(logits, plain_rows, plain_seqs)
+        prompt_lp = prompt_rows.logprobs(logits, batch.row_starts()) if prompt_rows is not None else None
+        result = thinking_before = spec_extras = spec_lp = None
         if spec_index:
             target = logits[torch.from_numpy(windows).to(self.device, non_blocking=True)]  # [S, k+1, V]
             spec_seqs = [seqs[i] for i in spec_index]
-            result, thinking_before = self._verify(spec_seqs, target, proposal)
-        host = HostPack.fetch(plain_tokens, result, thinking_before, self.k)
-        return self._outcomes(sched, sample_mask, batch, proposal, host)
+            result, thinking_before, spec_extras, spec_lp = self._verify(
+                spec_seqs, target, proposal
+            )
+        packed = [t.pack() for t in (plain_lp, spec_lp, prompt_lp) if t is not None]
+        host = HostPack.fetch(plain_tokens, result, thinking_before, self.k, packed)
+        outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
+        if packed:
+            lp_extras = (plain_extras if plain_lp else None, spec_extras if spec_lp else None)
+            self._attach_logprobs(outcomes, sched, sample_mask, batch, lp_extras, prompt_rows, host.extra)
+        return outcomes
+
+    def _attach_logprobs(
+        self,
+        outcomes: list[StepOutcome],
+        sched: SchedulerOutput,
+        sample_mask: list[bool],
+        batch: VerifyBatch,
+        extras: tuple[StepExtras | None, StepExtras | None],  # (plain rows', windows') with logprobs
+        prompt_rows: PromptRows | None,
+        flat: np.ndarray,  # the host copy of the packed logprobs: plain, windows, prompt
+    ) -> None:
+        """Logprobs into the outcomes: plain rows, then each window's rows (row j decided token j),
+        then prompt positions."""
+        seqs, spec_of, tokenizer = sched.seqs, batch.spec_of, self.tokenizer
+        plain_index = [i for i, m in enumerate(sample_mask) if m and i not in spec_of]
+        groups = ((extras[0], plain_index, 1), (extras[1], batch.spec_index, self.k + 1))
+        for ex, index, rows in groups:
+            if ex is None:
+                continue
+            size = HostLogprobs.size(len(ex.logprob_rows) * rows, ex.num_logprobs)
+            picked = [outcomes[i] for i in index]
+            attach_logprobs(picked, [seqs[i] for i in index], ex, flat[:size], rows, tokenizer)
+            flat = flat[size:]
+        if prompt_rows is not None and prompt_rows.parts:
+            host_lp = HostLogprobs.unpack(flat, len(prompt_rows.token_ids), prompt_rows.num)
+            for i, entries in prompt_rows.entries(host_lp, seqs, tokenizer).items():
+                outcomes[i].prompt_logprobs = entries
 
     # ---- stages --------------------------------------------------------------------------------
 
     def _build_verify_batch(
-        self, sched: SchedulerOutput, sample_mask: list[bool], spec_index: list[int], proposal: Proposal
+        self,
+        sched: SchedulerOutput,
+        sample_mask: list[bool],
+        spec_index: list[int],
+        proposal: Proposal,
+        prompt_rows: PromptRows | None = None,
     ) -> VerifyBatch:
         """Inputs of the target forward: unchanged chunks for plain rows, [last token, drafts] windows
         for speculating rows (drafts made on the device go in through device_tokens)."""
@@ -221,7 +279,7 @@ class Speculator:
             b = spec_of.get(i)
             if b is None:
                 num_new.append(n)
-                num_logits.append(int(m))
+                num_logits.append(int(m) if prompt_rows is None else prompt_rows.num_logits[i])
                 input_ids.append(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
             else:
                 nd = proposal.num_drafts[b]
@@ -243,23 +301,25 @@ class Speculator:
 
     def _sample_plain(
         self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
-    ) -> torch.Tensor | None:
-        """Tokens [P] int64 for the plain sampled rows (prefills that end, first output tokens)."""
+    ) -> tuple[torch.Tensor | None, StepExtras | None, LogprobsTensors | None]:
+        """(tokens [P] int64, extras, logprobs) for the plain sampled rows (prefills that end, first
+        output tokens)."""
         if not seqs:
-            return None
+            return None, None, None
         plain = logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
-        mask_stops_before_min_tokens(plain.unsqueeze(1), seqs)
-        if self.tracker is not None:
-            force_think_end_over_budget(plain, seqs, self.tracker.think_end_id)
-        return self.sampler(plain, [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs])
+        tracker = self.tracker
+        think_end = tracker.think_end_id if tracker is not None else None
+        return sample_with_extras(self.sampler, plain, seqs, think_end)
 
     def _verify(
         self,
         seqs: list[Sequence],
         target: torch.Tensor,  # [S, k+1, V] float32
         proposal: Proposal,
-    ) -> tuple[RejectionResult, torch.Tensor]:
-        """rejection_sample plus the phase bookkeeping; returns (result, thinking_before [S, k] bool)."""
+    ) -> tuple[RejectionResult, torch.Tensor, StepExtras | None, LogprobsTensors | None]:
+        """rejection_sample plus the phase bookkeeping; returns (result, thinking_before [S, k] bool,
+        the windows' extras, logprobs [L*(k+1) rows] of those asking). Penalties apply to the target's
+        rows before acceptance: row i as if drafts 1..i were kept."""
         drafts = proposal.draft_token_ids  # [S, k]
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.is_greedy for p in params)
@@ -279,6 +339,10 @@ class Speculator:
         num_drafts, thinking = dev[:, 0].long(), dev[:, 5].bool()
         # Sampled rows reach rejection_sample already scaled, so its temperature is 1 there, 0 = greedy.
         temperature = dev[:, 6].float()
+        extras = StepExtras.build(seqs, target.shape[-1], self.device)
+        raw = extras.raw_rows(target) if extras is not None else None
+        if extras is not None:
+            target = extras.penalise_windows(target, drafts, num_drafts)
         mask_stops_before_min_tokens(target, seqs)
         if not all_greedy:
             flat = target.view(-1, target.shape[-1])
@@ -303,7 +367,8 @@ class Speculator:
         )  # fmt: skip
         if self.config.synthetic_acceptance_rate is not None or profile is not None:
             result = self._synthetic(result, target, drafts, num_drafts, dev[:, 9].bool())
-        return result, thinking_before
+        lp = extras.logprobs(raw, result.output_token_ids) if extras is not None else None
+        return result, thinking_before, extras, lp
 
     def _relax_mask(
         self,

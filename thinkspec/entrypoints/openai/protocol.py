@@ -100,12 +100,14 @@ class _CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    frequency_penalty: float = 0.0  # only 0 is supported
-    presence_penalty: float = 0.0  # only 0 is supported
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     user: str | None = None  # accepted and ignored
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -122,8 +124,8 @@ class _CommonRequest(_Strict):
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False  # only false is supported
-    top_logprobs: int | None = None  # only None/0 is supported
+    logprobs: bool = False
+    top_logprobs: int | None = None  # needs logprobs=true
     chat_template_kwargs: dict[str, Any] | None = None
     # Sent routinely by OpenAI clients; accepted and ignored (nothing is stored, there are no tools).
     store: bool | None = None
@@ -133,8 +135,8 @@ class ChatCompletionRequest(_CommonRequest):
 
 class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None  # only None is supported
-    echo: bool = False  # only false is supported
+    logprobs: int | None = None
+    echo: bool = False  # the prompt is prepended to the text (and to the logprobs when asked)
     best_of: int | None = None  # only None/1 is supported
 
 
@@ -234,12 +236,6 @@ def sampling_error(e: ValueError) -> OpenAIError:
 
 def check_unsupported(req: _CommonRequest) -> None:
     """OpenAI features the engine does not implement; refused rather than silently ignored."""
-    if req.n != 1:
-        raise OpenAIError(f"n={req.n} is not supported: only n=1", param="n", code="invalid_value")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(req, name)
-        if value != 0.0:
-            raise OpenAIError(f"{name}={value} is not supported: only 0", param=name, code="unsupported")
     t = req.temperature
     if t is not None and not 0.0 <= t <= MAX_TEMPERATURE:
         raise OpenAIError(
@@ -250,14 +246,9 @@ def check_unsupported(req: _CommonRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options needs stream=true", param="stream_options", code="invalid_value")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs or req.top_logprobs:
-            raise OpenAIError("logprobs are not supported", param="logprobs", code="unsupported")
-    elif isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            raise OpenAIError("logprobs are not supported", param="logprobs", code="unsupported")
-        if req.echo:
-            raise OpenAIError("echo is not supported", param="echo", code="unsupported")
-        if req.best_of not in (None, 1):
-            raise OpenAIError(
-                f"best_of={req.best_of} is not supported: only 1", param="best_of", code="unsupported"
-            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    elif isinstance(req, CompletionRequest) and req.best_of not in (None, 1):
+        raise OpenAIError(
+            f"best_of={req.best_of} is not supported: only 1", param="best_of", code="unsupported"
+        )

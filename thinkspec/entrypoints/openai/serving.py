@@ -70,6 +70,23 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _refuse_unserved(req: Any) -> None:
+    """Fields the engine supports (LLM.generate) that these endpoints do not return yet: refused with
+    a 400 rather than silently dropped."""
+    unserved = {
+        "n": req.n != 1,
+        "logprobs": bool(getattr(req, "logprobs", None)),
+        "echo": bool(getattr(req, "echo", False)),
+        "prompt_logprobs": req.prompt_logprobs is not None,
+    }
+    for name, asked in unserved.items():
+        if asked:
+            raise OpenAIError(
+                f"{name} is not supported by the server yet (it is by LLM.generate)", param=name,
+                code="unsupported",
+            )  # fmt: skip
+
+
 def count_reasoning_tokens(token_ids: list[int], starts_thinking: bool, start_id: int, end_id: int) -> int:
     """Output tokens generated inside the thinking phase, the think markers themselves not counted
     (as vLLM counts them). The phase follows the last marker, as the engine's tracker does."""
@@ -182,11 +199,13 @@ class OpenAIServing:
                 kwargs[name] = value
         for name in (
             "min_p", "seed", "stop", "stop_token_ids", "relaxed_thinking", "relax_ratio", "relax_top_k",
-            "relax_delta", "thinking_token_budget",
+            "relax_delta", "thinking_token_budget", "presence_penalty", "frequency_penalty",
+            "repetition_penalty",
         ):  # fmt: skip
             value = getattr(req, name)
             if value is not None:
                 kwargs[name] = value
+        _refuse_unserved(req)
         try:
             return SamplingParams(
                 n=req.n,
