@@ -148,7 +148,7 @@ def test_generate_json_matches_llm_chat(capsys, ckpt):
         )
         assert record["num_output_tokens"] == len(c.token_ids) <= 12
         assert record["finish_reason"] == c.finish_reason and record["error"] is None
-    assert any(r["reasoning_content"] and r["content"] for r in records)
+    assert any(r["reasoning_content"] for r in records)  # qwen3 output starts in reasoning
 
 
 def test_generate_text_output_and_prompts_file(capsys, ckpt, tmp_path):

@@ -102,7 +102,7 @@ def test_cli_help_needs_no_torch():
         ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
-        ({"max_logprobs": -2}, "max_logprobs must be an integer >= -1"),
+        ({"max_logprobs": -2}, "max_logprobs must be an integer >= 0"),
         ({"swap_space": -1}, "swap_space must be a number of GiB >= 0"),
         ({"served_model_name": []}, "served_model_name must be"),
         ({"revision": ""}, "revision must be a non-empty string"),

@@ -195,7 +195,7 @@ def test_hub_id_download(monkeypatch: pytest.MonkeyPatch) -> None:
     local = tiny_checkpoint("qwen3", tied=False)
     seen = {}
 
-    def fake_download(repo_id: str, allow_patterns: list[str]) -> str:
+    def fake_download(repo_id: str, allow_patterns: list[str], **kwargs) -> str:
         seen["repo_id"], seen["patterns"] = repo_id, allow_patterns
         return str(local)
 
@@ -204,7 +204,7 @@ def test_hub_id_download(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["repo_id"] == "someone/tiny-qwen3" and "*.safetensors" in seen["patterns"]
     assert info.path == local
 
-    def offline(repo_id: str, allow_patterns: list[str]) -> str:
+    def offline(repo_id: str, allow_patterns: list[str], **kwargs) -> str:
         raise OSError("no network")
 
     monkeypatch.setattr(hub, "snapshot_download", offline)

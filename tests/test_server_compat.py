@@ -135,7 +135,7 @@ def test_usage_reports_reasoning_tokens(client, engine):
     out = llm.chat(chat()["messages"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     ids = out.outputs[0].token_ids
     assert ids.count(THINK_ID) >= 1
-    expected = count_reasoning_tokens(ids, False, THINK_ID, END_THINK_ID)
+    expected = count_reasoning_tokens(ids, True, THINK_ID, END_THINK_ID)  # qwen3 starts thinking
     assert 0 < expected < len(ids)
     assert resp["usage"]["completion_tokens"] == len(ids)
     assert resp["usage"]["completion_tokens_details"] == {"reasoning_tokens": expected}

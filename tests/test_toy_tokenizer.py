@@ -83,7 +83,9 @@ def test_saved_tokenizer_loads_with_auto_and_chat_template(tok, samples, tmp_pat
     ids = tok(s.text, add_special_tokens=False)["input_ids"]
     assert auto(s.text, add_special_tokens=False)["input_ids"] == ids
     msgs = [{"role": "user", "content": s.problem.question}]
-    assert auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == s.prompt
+    # The generation prompt opens the think block, as in the training text that follows the prompt.
+    opened = auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert opened == s.prompt + "<think>\n" and s.text.startswith(opened)
     no_think = auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                         enable_thinking=False)
     assert no_think == s.prompt + "<think>\n\n</think>\n\n"

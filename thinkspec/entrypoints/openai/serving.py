@@ -205,9 +205,8 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kwargs[name] = value
-        _refuse_unserved(req)
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 max_tokens=limit if max_tokens is None else max_tokens,
                 min_tokens=req.min_tokens,
@@ -222,6 +221,8 @@ class OpenAIServing:
                 error.param = max_tokens_field
                 error.message = f"{max_tokens_field} (as max_tokens): {error.message}"
             raise error from None
+        _refuse_unserved(req)  # after the value checks: a bad value is still named as such
+        return params
 
     async def _add(self, request_id: str, prompt: Any, params: SamplingParams, param: str) -> RequestStream:
         if self.drain.closed:
