@@ -372,7 +372,7 @@ def test_tracker_and_split_agree_on_whole_outputs_and_streams(name, enable):
             text = tok.decode([t], skip_special_tokens=True)
             if t not in markers:
                 by_phase[thinking].append(text)
-            thinking = tracker.advance_host(thinking, [t])
+            thinking, _ = tracker.step_host(thinking, t)
             for phase, delta in zip((True, False), stream.feed(text)):
                 streamed[phase].append(delta or "")
             assert stream.thinking is thinking, output

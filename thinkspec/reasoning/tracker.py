@@ -89,14 +89,6 @@ class PhaseTracker:
     def initial_phase(self, prompt_token_ids: Sequence[int] | torch.Tensor) -> bool:
         return initial_phase(prompt_token_ids, self.think_start_id, self.think_end_id)
 
-    def advance_host(self, thinking: bool, token_ids: Sequence[int]) -> bool:
-        """The phase after token_ids from phase `thinking`, for tokens already on the host (the same
-        rule as advance)."""
-        if not token_ids:
-            return thinking
-        ids = torch.tensor([list(token_ids)], dtype=torch.long)
-        return bool(self.advance(torch.tensor([thinking]), ids, torch.tensor([len(token_ids)]))[0])
-
     def step_host(self, thinking: bool, token_id: int) -> tuple[bool, bool]:
         """(phase after token_id, whether it is a thinking token: emitted while thinking and not a
         marker), for one committed token on the host; the same rule as advance."""
