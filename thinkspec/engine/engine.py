@@ -15,12 +15,12 @@ from thinkspec.engine.factory import build_engine_parts
 from thinkspec.engine.faults import recover_from_step_fault
 from thinkspec.engine.parallel_sampling import ParentRequest, child_id, child_params
 from thinkspec.engine.request_checks import check_prompt_input, check_stop_token_ids, token_vocab_size
-from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_logprobs, sample_with_extras
+from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_step_logprobs, sample_with_extras
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
 from thinkspec.engine.sequence import Sequence
 from thinkspec.engine_args import EngineArgs
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from thinkspec.sampling.logprobs import HostLogprobs, LogprobsTensors
+from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.utils import logger
@@ -304,21 +304,12 @@ class LLMEngine:
         else:
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
         num_tokens = 0 if tokens is None else tokens.numel()
-        token_list = host[:num_tokens].tolist()
-        outcomes = sched.plain_outcomes([[token_list.pop(0)] if m else [] for m in sample_mask])
-        rest = host[num_tokens:]
-        if lp is not None and extras is not None:
-            size = HostLogprobs.size(len(extras.logprob_rows), extras.num_logprobs)
-            sampled_index = [i for i, m in enumerate(sample_mask) if m]
-            attach_logprobs(
-                [outcomes[i] for i in sampled_index], [sched.seqs[i] for i in sampled_index], extras,
-                rest[:size], 1, self.tokenizer,
-            )  # fmt: skip
-            rest = rest[size:]
-        if prompt_lp is not None and prompt_rows is not None:
-            host_lp = HostLogprobs.unpack(rest, len(prompt_rows.token_ids), prompt_rows.num)
-            for i, entries in prompt_rows.entries(host_lp, sched.seqs, self.tokenizer).items():
-                outcomes[i].prompt_logprobs = entries
+        it = iter(host[:num_tokens].tolist())
+        outcomes = sched.plain_outcomes([[next(it)] if m else [] for m in sample_mask])
+        sampled_index = [i for i, m in enumerate(sample_mask) if m]
+        groups = [(extras if lp is not None else None, sampled_index, 1)]
+        rows = prompt_rows if prompt_lp is not None else None
+        attach_step_logprobs(outcomes, sched.seqs, groups, rows, host[num_tokens:], self.tokenizer)
         return outcomes
 
     def _commit_in_flight(self, finished_only: bool) -> list[RequestOutput]:

@@ -204,3 +204,30 @@ def position_logprobs(
 def split_host(flat: np.ndarray, sizes: Seq[int]) -> list[np.ndarray]:
     """Consecutive pieces of one host copy."""
     return np.split(flat, np.cumsum(sizes)[:-1]) if sizes else []
+
+
+# Rows of a step's packed logprobs: (their extras or None, the batch positions, rows per sequence).
+LogprobGroup = tuple[StepExtras | None, Seq[int], int]
+
+
+def attach_step_logprobs(
+    outcomes: Seq[StepOutcome],  # one per scheduled sequence
+    seqs: Seq[Sequence],
+    groups: Seq[LogprobGroup],
+    prompt_rows: PromptRows | None,
+    flat: np.ndarray,  # the host copy of the packed logprobs: each group in order, then the prompt's
+    tokenizer: Any,
+) -> None:
+    """Logprobs of one step into its outcomes: each group's rows (row j of a sequence decided its
+    token j), then the prompt positions."""
+    for extras, index, rows in groups:
+        if extras is None:
+            continue
+        size = HostLogprobs.size(len(extras.logprob_rows) * rows, extras.num_logprobs)
+        picked = [outcomes[i] for i in index]
+        attach_logprobs(picked, [seqs[i] for i in index], extras, flat[:size], rows, tokenizer)
+        flat = flat[size:]
+    if prompt_rows is not None and prompt_rows.parts:
+        host_lp = HostLogprobs.unpack(flat, len(prompt_rows.token_ids), prompt_rows.num)
+        for i, entries in prompt_rows.entries(host_lp, seqs, tokenizer).items():
+            outcomes[i].prompt_logprobs = entries

@@ -26,12 +26,12 @@ import torch
 
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.model_runner import ModelRunner
-from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_logprobs, sample_with_extras
+from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_step_logprobs, sample_with_extras
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
 from thinkspec.reasoning.parsers import ResolvedReasoning
 from thinkspec.reasoning.tracker import force_token
-from thinkspec.sampling.logprobs import HostLogprobs, LogprobsTensors
+from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_model import DraftModelProposer
@@ -212,7 +212,8 @@ class Speculator:
         )  # fmt: skip  # [N, V] float32
         plain_rows, windows = batch.logits_rows(self.k, sample_mask)
         spec_of = batch.spec_of
-        plain_seqs = [seqs[i] for i, m in enumerate(sample_mask) if m and i not in spec_of]
+        plain_index = [i for i, m in enumerate(sample_mask) if m and i not in spec_of]
+        plain_seqs = [seqs[i] for i in plain_index]
         plain_tokens, plain_extras, plain_lp = self._sample_plain(logits, plain_rows, plain_seqs)
         prompt_lp = prompt_rows.logprobs(logits, batch.row_starts()) if prompt_rows is not None else None
         result = thinking_before = spec_extras = spec_lp = None
@@ -226,36 +227,12 @@ class Speculator:
         host = HostPack.fetch(plain_tokens, result, thinking_before, self.k, packed)
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
-            lp_extras = (plain_extras if plain_lp else None, spec_extras if spec_lp else None)
-            self._attach_logprobs(outcomes, sched, sample_mask, batch, lp_extras, prompt_rows, host.extra)
+            groups = [
+                (plain_extras if plain_lp else None, plain_index, 1),
+                (spec_extras if spec_lp else None, batch.spec_index, self.k + 1),
+            ]
+            attach_step_logprobs(outcomes, sched.seqs, groups, prompt_rows, host.extra, self.tokenizer)
         return outcomes
-
-    def _attach_logprobs(
-        self,
-        outcomes: list[StepOutcome],
-        sched: SchedulerOutput,
-        sample_mask: list[bool],
-        batch: VerifyBatch,
-        extras: tuple[StepExtras | None, StepExtras | None],  # (plain rows', windows') with logprobs
-        prompt_rows: PromptRows | None,
-        flat: np.ndarray,  # the host copy of the packed logprobs: plain, windows, prompt
-    ) -> None:
-        """Logprobs into the outcomes: plain rows, then each window's rows (row j decided token j),
-        then prompt positions."""
-        seqs, spec_of, tokenizer = sched.seqs, batch.spec_of, self.tokenizer
-        plain_index = [i for i, m in enumerate(sample_mask) if m and i not in spec_of]
-        groups = ((extras[0], plain_index, 1), (extras[1], batch.spec_index, self.k + 1))
-        for ex, index, rows in groups:
-            if ex is None:
-                continue
-            size = HostLogprobs.size(len(ex.logprob_rows) * rows, ex.num_logprobs)
-            picked = [outcomes[i] for i in index]
-            attach_logprobs(picked, [seqs[i] for i in index], ex, flat[:size], rows, tokenizer)
-            flat = flat[size:]
-        if prompt_rows is not None and prompt_rows.parts:
-            host_lp = HostLogprobs.unpack(flat, len(prompt_rows.token_ids), prompt_rows.num)
-            for i, entries in prompt_rows.entries(host_lp, seqs, tokenizer).items():
-                outcomes[i].prompt_logprobs = entries
 
     # ---- stages --------------------------------------------------------------------------------
 
