@@ -95,7 +95,8 @@ CASES = [
     ("top_p above 1", "POST", COMP, comp(top_p=1.5), AUTH, 400, "top_p", "invalid_value"),
     ("top_k below -1", "POST", CHAT, chat(top_k=-2), AUTH, 400, "top_k", "invalid_value"),
     ("min_p above 1", "POST", CHAT, chat(min_p=1.5), AUTH, 400, "min_p", "invalid_value"),
-    ("n = 2", "POST", CHAT, chat(n=2), AUTH, 400, "n", "unsupported"),
+    ("n over 128", "POST", CHAT, chat(n=129), AUTH, 400, "n", "invalid_value"),
+    ("n = 0", "POST", COMP, comp(n=0), AUTH, 400, "n", "invalid_value"),
     ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), AUTH, 400, "max_tokens", "invalid_value"),
     (
         "max_tokens over limit",
@@ -131,9 +132,63 @@ CASES = [
         "stop_token_ids",
         "invalid_value",
     ),
-    ("logprobs (chat)", "POST", CHAT, chat(logprobs=True), AUTH, 400, "logprobs", "unsupported"),
-    ("logprobs (completions)", "POST", COMP, comp(logprobs=2), AUTH, 400, "logprobs", "unsupported"),
-    ("echo", "POST", COMP, comp(echo=True), AUTH, 400, "echo", "unsupported"),
+    # logprobs counts are at most the engine's max_logprobs (20 by default), named by their own field
+    (
+        "top_logprobs over max_logprobs",
+        "POST",
+        CHAT,
+        chat(logprobs=True, top_logprobs=21),
+        AUTH,
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    (
+        "top_logprobs negative",
+        "POST",
+        CHAT,
+        chat(logprobs=True, top_logprobs=-1),
+        AUTH,
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "POST",
+        CHAT,
+        chat(top_logprobs=2),
+        AUTH,
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    ("logprobs a number (chat)", "POST", CHAT, chat(logprobs=2), AUTH, 400, "logprobs", "bool_type"),
+    ("logprobs over max_logprobs", "POST", COMP, comp(logprobs=21), AUTH, 400, "logprobs", "invalid_value"),
+    ("logprobs negative", "POST", COMP, comp(logprobs=-1), AUTH, 400, "logprobs", "invalid_value"),
+    (
+        "prompt_logprobs over max_logprobs",
+        "POST",
+        CHAT,
+        chat(prompt_logprobs=21),
+        AUTH,
+        400,
+        "prompt_logprobs",
+        "invalid_value",
+    ),
+    (
+        "prompt_logprobs streamed",
+        "POST",
+        COMP,
+        comp(prompt_logprobs=1, stream=True),
+        AUTH,
+        400,
+        "prompt_logprobs",
+        "invalid_value",
+    ),
+    ("echo not a bool", "POST", COMP, comp(echo=1), AUTH, 400, "echo", "bool_type"),
+    ("max_tokens 0 without echo", "POST", COMP, comp(max_tokens=0), AUTH, 400, "max_tokens", "invalid_value"),
+    ("best_of", "POST", COMP, comp(best_of=2), AUTH, 400, "best_of", "unsupported"),
     (
         "presence_penalty",
         "POST",
@@ -390,3 +445,21 @@ def test_public_routes_need_no_key_and_v1_routes_accept_it(client):
     r = client.get("/v1/models", headers=AUTH)
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+def test_logprob_limits_accept_their_boundaries_as_vllm(client):
+    # In range at the edges; top_logprobs=0 without logprobs and prompt_logprobs=0 in a stream are
+    # accepted (vLLM does), the second with nothing to return.
+    ok = [
+        (CHAT, chat(logprobs=True, top_logprobs=20, max_tokens=1)),
+        (CHAT, chat(top_logprobs=0, max_tokens=1)),
+        (COMP, comp(logprobs=20, prompt_logprobs=20, echo=True, max_tokens=1)),
+        (COMP, comp(prompt_logprobs=0, stream=True, max_tokens=1)),
+        (COMP, comp(echo=True, max_tokens=0)),
+    ]
+    for path, body in ok:
+        r = client.post(path, json=body, headers=AUTH)
+        assert r.status_code == 200, (body, r.text)
+    lp = client.post(CHAT, json=chat(logprobs=True, top_logprobs=20, max_tokens=1), headers=AUTH).json()
+    assert len(lp["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    assert client.post(CHAT, json=chat(top_logprobs=0), headers=AUTH).json()["choices"][0]["logprobs"] is None

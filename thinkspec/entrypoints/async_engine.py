@@ -86,7 +86,7 @@ class RequestStream:
             yield item
 
     def _time(self, out: RequestOutput) -> None:
-        n = len(out.outputs[0].token_ids)
+        n = sum(len(c.token_ids) for c in out.outputs)  # all n choices of the request
         if n <= self._num_tokens:
             return
         now = time.monotonic()

@@ -147,10 +147,9 @@ class ServerMetrics:
     def observe_finished(self, out: RequestOutput, token_gaps: Sequence[float] = ()) -> None:
         """Count one request that ended (its last output; aborted requests included), with its
         latencies: token_gaps are the seconds between its outputs."""
-        completion = out.outputs[0]
-        self.request_success.labels(completion.finish_reason or "abort").inc()
+        self.request_success.labels(out.outputs[0].finish_reason or "abort").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(completion.token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))  # all n choices
         for gap in token_gaps:
             self.itl.observe(gap)
         if out.metrics is None:

@@ -125,7 +125,7 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None  # needs logprobs=true
+    top_logprobs: int | None = None  # > 0 needs logprobs=true (0 without it is accepted, as vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
     # Sent routinely by OpenAI clients; accepted and ignored (nothing is stored, there are no tools).
     store: bool | None = None
@@ -245,10 +245,7 @@ def check_unsupported(req: _CommonRequest) -> None:
         )
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options needs stream=true", param="stream_options", code="invalid_value")
-    if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs is not None and not req.logprobs:
-            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
-    elif isinstance(req, CompletionRequest) and req.best_of not in (None, 1):
+    if isinstance(req, CompletionRequest) and req.best_of not in (None, 1):
         raise OpenAIError(
             f"best_of={req.best_of} is not supported: only 1", param="best_of", code="unsupported"
         )

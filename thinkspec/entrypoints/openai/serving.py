@@ -12,12 +12,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from thinkspec.entrypoints.openai.drain import Drain
+from thinkspec.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, raw_prompt_logprobs
 from thinkspec.entrypoints.openai.metrics import ServerMetrics
 from thinkspec.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -27,7 +28,8 @@ from thinkspec.entrypoints.openai.protocol import (
     engine_error,
     sampling_error,
 )
-from thinkspec.outputs import RequestOutput
+from thinkspec.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from thinkspec.reasoning.parsers import ReasoningStream
 from thinkspec.sampling_params import SamplingParams
 
 REASONING_FIELDS = ("both", "reasoning", "reasoning_content")
@@ -66,25 +68,9 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    """Prompt tokens once, completion tokens summed over the n choices."""
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _refuse_unserved(req: Any) -> None:
-    """Fields the engine supports (LLM.generate) that these endpoints do not return yet: refused with
-    a 400 rather than silently dropped."""
-    unserved = {
-        "n": req.n != 1,
-        "logprobs": bool(getattr(req, "logprobs", None)),
-        "echo": bool(getattr(req, "echo", False)),
-        "prompt_logprobs": req.prompt_logprobs is not None,
-    }
-    for name, asked in unserved.items():
-        if asked:
-            raise OpenAIError(
-                f"{name} is not supported by the server yet (it is by LLM.generate)", param=name,
-                code="unsupported",
-            )  # fmt: skip
 
 
 def count_reasoning_tokens(token_ids: list[int], starts_thinking: bool, start_id: int, end_id: int) -> int:
@@ -101,8 +87,9 @@ def count_reasoning_tokens(token_ids: list[int], starts_thinking: bool, start_id
     return count
 
 
-def _finish_reason(out: RequestOutput) -> str:
-    reason = out.outputs[0].finish_reason
+def _finish_reason(out: RequestOutput, choice: CompletionOutput) -> str:
+    """The finish_reason of one finished choice; a failed or drained request raises its error."""
+    reason = choice.finish_reason
     if reason == "error":
         status = out.error_status or 500
         code = "invalid_input" if status < 500 else "engine_error"
@@ -136,12 +123,44 @@ class _TextStream:
         stops = params.stop if not params.include_stop_str_in_output else []
         self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def delta(self, out: RequestOutput) -> str:
-        text = out.outputs[0].text
-        end = len(text) if out.finished else max(self.sent, len(text) - self.hold)
+    def delta(self, text: str, finished: bool) -> str:
+        """The new part of one choice's cumulative text."""
+        end = len(text) if finished else max(self.sent, len(text) - self.hold)
         piece = text[self.sent : end]
         self.sent = end
         return piece
+
+
+class _ChoiceStream:
+    """What has been sent of one choice of a streamed response."""
+
+    __slots__ = ("text", "split", "num_tokens", "text_offset", "echoed", "done")
+
+    def __init__(self, params: SamplingParams, split: ReasoningStream | None = None) -> None:
+        self.text = _TextStream(params)
+        self.split = split  # the reasoning split of a chat choice, when the server has a parser
+        self.num_tokens = 0  # output tokens whose logprobs went out
+        self.text_offset = 0  # completions: where the next logprobs token's text starts
+        self.echoed = False  # completions: the prompt went out (echo)
+        self.done = False  # the finish chunk went out
+
+    def split_delta(self, c: CompletionOutput) -> tuple[str | None, str | None]:
+        """(reasoning, content) text new in chat choice c since the last call; each None when empty."""
+        piece = self.text.delta(c.text, c.finished)
+        split = self.split
+        if split is None:
+            return None, piece or None
+        reasoning, content = split.feed(piece)
+        if c.finished:
+            tail_r, tail_c = split.finish()
+            reasoning = (reasoning or "") + (tail_r or "") or None
+            content = (content or "") + (tail_c or "") or None
+        return reasoning, content
+
+    def new_tokens(self, c: CompletionOutput) -> tuple[list[int], list[PositionLogprobs]]:
+        """Output tokens since the last call, with their logprobs ([] when not asked)."""
+        start, self.num_tokens = self.num_tokens, len(c.token_ids)
+        return c.token_ids[start:], (c.logprobs or [])[start:]
 
 
 class OpenAIServing:
@@ -162,6 +181,7 @@ class OpenAIServing:
         info = llm_engine.model_info
         # The checkpoint's generation_config defaults apply where a request leaves a field out (as vLLM).
         self.defaults = {k: getattr(info, k, None) for k in ("temperature", "top_p", "top_k")}
+        self.max_logprobs: int = llm_engine.config.max_logprobs
 
     # ---- shared -------------------------------------------------------------------------------
 
@@ -205,6 +225,7 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kwargs[name] = value
+        kwargs.update(self.logprob_params(req))
         try:
             params = SamplingParams(
                 n=req.n,
@@ -221,8 +242,42 @@ class OpenAIServing:
                 error.param = max_tokens_field
                 error.message = f"{max_tokens_field} (as max_tokens): {error.message}"
             raise error from None
-        _refuse_unserved(req)  # after the value checks: a bad value is still named as such
         return params
+
+    def logprob_params(self, req: ChatCompletionRequest | CompletionRequest) -> dict[str, int | None]:
+        """SamplingParams' logprobs and prompt_logprobs for a request. Each count must be in [0,
+        max_logprobs] (a 400 naming the request's own field); the rest follows vLLM: chat's
+        top_logprobs > 0 needs logprobs, prompt_logprobs > 0 cannot stream, and completions' echo
+        with logprobs scores the prompt too."""
+        limit = self.max_logprobs
+        for name in ("top_logprobs", "logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limit:
+                raise OpenAIError(
+                    f"{name} must be an integer in [0, {limit}] (the server's max_logprobs), got {value}",
+                    param=name,
+                    code="invalid_value",
+                )
+        if isinstance(req, ChatCompletionRequest):
+            if req.top_logprobs and not req.logprobs:
+                raise OpenAIError(
+                    "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
+                )
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        prompt = req.prompt_logprobs
+        if req.stream and prompt:
+            raise OpenAIError(
+                "prompt_logprobs are not returned when stream=true",
+                param="prompt_logprobs",
+                code="invalid_value",
+            )
+        if req.stream:
+            prompt = None  # 0 is accepted (as vLLM) and there is nothing to return
+        if isinstance(req, CompletionRequest) and req.echo and logprobs is not None and prompt is None:
+            prompt = logprobs
+        return {"logprobs": logprobs, "prompt_logprobs": prompt}
 
     async def _add(self, request_id: str, prompt: Any, params: SamplingParams, param: str) -> RequestStream:
         if self.drain.closed:
@@ -266,8 +321,9 @@ class OpenAIServing:
             if not stream.finished:
                 self.metrics.observe_aborted_early()
             return
-        if not last.finished:
-            last.outputs[0].finish_reason = "abort"
+        for choice in last.outputs:
+            if not choice.finished:
+                choice.finish_reason = "abort"
         self.metrics.observe_finished(last, stream.token_gaps)
 
     # ---- chat ---------------------------------------------------------------------------------
@@ -320,39 +376,44 @@ class OpenAIServing:
         if req.stream:
             return self._chat_stream(stream, created, params, starts_thinking, _usage_mode(req), usage)
         out = await self._collect(stream)
-        completion = out.outputs[0]
-        if self.reasoning is not None:
-            reasoning, content = self.reasoning.split(completion.text, starts_thinking)
-        else:
-            reasoning, content = None, completion.text
-        message = {"role": "assistant", "content": content}
-        message.update(dict.fromkeys(self.config.reasoning_keys(), reasoning))
-        return {
+        response = {
             "id": request_id,
             "object": "chat.completion",
             "created": created,
             "model": self.config.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(out),
-                }
-            ],
+            "choices": [self._chat_choice(out, c, params, starts_thinking) for c in out.outputs],
             "usage": usage(out),
         }
+        if out.prompt_logprobs is not None:  # vLLM's extension, top level in chat
+            response["prompt_logprobs"] = raw_prompt_logprobs(out.prompt_logprobs)
+        return response
+
+    def _chat_choice(
+        self, out: RequestOutput, c: CompletionOutput, params: SamplingParams, starts_thinking: bool
+    ) -> dict[str, Any]:
+        """One choice of a non-streamed chat response; logprobs cover every output token, the
+        reasoning ones included (as vLLM)."""
+        finish_reason = _finish_reason(out, c)
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(c.text, starts_thinking)
+        else:
+            reasoning, content = None, c.text
+        message = {"role": "assistant", "content": content}
+        message.update(dict.fromkeys(self.config.reasoning_keys(), reasoning))
+        logprobs = None
+        if params.logprobs is not None and c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, params.logprobs, self.tokenizer)
+        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chat_usage(self, starts_thinking: bool) -> Callable[[RequestOutput], dict[str, Any]]:
-        """usage of a chat response, with completion_tokens_details.reasoning_tokens."""
+        """usage of a chat response (all choices), with completion_tokens_details.reasoning_tokens."""
         reasoning = self.reasoning
 
         def usage(out: RequestOutput) -> dict[str, Any]:
             n = 0
             if reasoning is not None:
-                ids = out.outputs[0].token_ids
                 start, end = reasoning.think_start_id, reasoning.think_end_id
-                n = count_reasoning_tokens(ids, starts_thinking, start, end)
+                n = sum(count_reasoning_tokens(c.token_ids, starts_thinking, start, end) for c in out.outputs)
             return {**_usage(out), "completion_tokens_details": {"reasoning_tokens": n}}
 
         return usage
@@ -366,60 +427,60 @@ class OpenAIServing:
         usage_mode: tuple[bool, bool],
         usage: Callable[[RequestOutput], dict[str, Any]],
     ) -> AsyncIterator[str]:
+        """Chunks of each choice (index i): its reasoning and content deltas, the logprobs of its new
+        tokens (on the last chunk of the step, or on an empty delta when no text came out), then its
+        finish chunk as soon as it finishes."""
         model = self.config.served_model_name
-        base = {
-            "id": stream.request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-        }
+        kind = "chat.completion.chunk"
+        base = {"id": stream.request_id, "object": kind, "created": created, "model": model}
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return {**base, "choices": [choice]}
 
-        text = _TextStream(params)
-        split = self.reasoning.stream(starts_thinking) if self.reasoning is not None else None
-        reasoning_keys = self.config.reasoning_keys()
+        reasoning, keys = self.reasoning, self.config.reasoning_keys()
+        states = [
+            _ChoiceStream(params, reasoning.stream(starts_thinking) if reasoning is not None else None)
+            for _ in range(params.n)
+        ]
 
-        def events(out: RequestOutput) -> list[dict[str, Any]]:
-            piece = text.delta(out)
-            if split is None:
-                reasoning, content = None, piece or None
-            else:
-                reasoning, content = split.feed(piece)
-                if out.finished:
-                    tail_r, tail_c = split.finish()
-                    reasoning = (reasoning or "") + (tail_r or "") or None
-                    content = (content or "") + (tail_c or "") or None
+        def choice_events(out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            state = states[c.index]
+            if state.done:
+                return []
+            r, content = state.split_delta(c)
             chunks = []
-            if reasoning is not None:
-                chunks.append(chunk(dict.fromkeys(reasoning_keys, reasoning)))
+            if r is not None:
+                chunks.append(chunk(c.index, dict.fromkeys(keys, r)))
             if content is not None:
-                chunks.append(chunk({"content": content}))
+                chunks.append(chunk(c.index, {"content": content}))
+            ids, entries = state.new_tokens(c)
+            if params.logprobs is not None and entries:
+                chunks = chunks or [chunk(c.index, {})]
+                lp = chat_logprobs(ids, entries, params.logprobs, self.tokenizer)
+                chunks[-1]["choices"][0]["logprobs"] = lp
+            if c.finished:
+                state.done = True
+                chunks.append(chunk(c.index, {}, _finish_reason(out, c)))
             return chunks
 
-        return self._sse_stream(
-            stream,
-            events,
-            lambda last: chunk({}, _finish_reason(last)),
-            base,
-            usage_mode,
-            usage,
-            first=chunk({"role": "assistant", "content": ""}),
-        )
+        def events(out: RequestOutput) -> list[dict[str, Any]]:
+            return [e for c in out.outputs for e in choice_events(out, c)]
+
+        first = [chunk(i, {"role": "assistant", "content": ""}) for i in range(params.n)]
+        return self._sse_stream(stream, events, base, usage_mode, usage, first)
 
     async def _sse_stream(
         self,
         stream: RequestStream,
         events: Callable[[RequestOutput], list[dict[str, Any]]],
-        final: Callable[[RequestOutput], dict[str, Any]],
         base: dict[str, Any],
         usage_mode: tuple[bool, bool],
         usage: Callable[[RequestOutput], dict[str, Any]] = _usage,
-        first: dict[str, Any] | None = None,
+        first: Sequence[dict[str, Any]] = (),
     ) -> AsyncIterator[str]:
-        """Server-sent events of one request: first, events per output, final, usage, [DONE].
+        """Server-sent events of one request: first, the events of each output (each choice's
+        finish chunk among them), usage, [DONE].
 
         usage_mode: (include_usage, continuous_usage_stats); with both, every chunk carries the
         usage so far. An engine failure or request error becomes an error event; the request is
@@ -434,14 +495,13 @@ class OpenAIServing:
             return _sse(event)
 
         try:
-            if first is not None:
-                yield _sse(first)
+            for event in first:
+                yield _sse(event)
             async for out in stream:
                 last = out
                 for event in events(out):
                     yield sse(event, out)
             assert last is not None
-            yield sse(final(last), last)
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage(last)})
         except EngineDeadError as e:
@@ -468,46 +528,97 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
-        params = self.sampling_params(req, req.max_tokens)
+        # vLLM: echo with max_tokens=0 returns the prompt alone (one token is generated and dropped).
+        echo_only = req.echo and req.max_tokens == 0
+        params = self.sampling_params(req, 1 if echo_only else req.max_tokens)
         prompt = self.completion_prompt(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = await self._add(request_id, prompt, params, "prompt")
         if req.stream:
-            return self._completion_stream(stream, created, params, _usage_mode(req))
+            return self._completion_stream(stream, created, params, req.echo, echo_only, _usage_mode(req))
         out = await self._collect(stream)
+        choices = []
+        for c in out.outputs:
+            finish_reason = _finish_reason(out, c)
+            ids, entries, text = ([], [], "") if echo_only else (c.token_ids, c.logprobs or [], c.text)
+            if req.echo:
+                text, ids, entries = self._echo(out, text, ids, entries)
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = completion_logprobs(ids, entries, params.logprobs, self.tokenizer)
+            choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            if out.prompt_logprobs is not None:  # vLLM's extension, on each choice in completions
+                choice["prompt_logprobs"] = raw_prompt_logprobs(out.prompt_logprobs)
+            choices.append(choice)
         return {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": self.config.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": out.outputs[0].text,
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(out),
-                }
-            ],
+            "choices": choices,
             "usage": _usage(out),
         }
 
+    def _echo(
+        self, out: RequestOutput, text: str, ids: list[int], entries: list[PositionLogprobs]
+    ) -> tuple[str, list[int], list[PositionLogprobs | None]]:
+        """(text, token ids, logprobs) with the prompt's put in front: its text as sent (decoded
+        when it came as token ids) and, when computed, its logprobs (the first token has none)."""
+        prompt_ids = out.prompt_token_ids
+        if out.prompt is not None:
+            prompt_text = out.prompt
+        else:
+            prompt_text = self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else ""
+        prompt_entries: list[PositionLogprobs | None] = [None] * len(prompt_ids)
+        if out.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(prompt_ids), "prompt logprobs are incomplete"
+            prompt_entries = list(out.prompt_logprobs)
+        return prompt_text + text, [*prompt_ids, *ids], [*prompt_entries, *entries]
+
     def _completion_stream(
-        self, stream: RequestStream, created: int, params: SamplingParams, usage_mode: tuple[bool, bool]
+        self,
+        stream: RequestStream,
+        created: int,
+        params: SamplingParams,
+        echo: bool,
+        echo_only: bool,
+        usage_mode: tuple[bool, bool],
     ) -> AsyncIterator[str]:
+        """Chunks of each choice (index i): its text delta with the logprobs of its new tokens
+        (text_offset continuing across chunks), the prompt first with echo, then its finish chunk."""
         model = self.config.served_model_name
         base = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
 
-        def chunk(piece: str, finish_reason: str | None = None) -> dict[str, Any]:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(i: int, piece: str, logprobs: Any = None, finish_reason: str | None = None) -> dict:
+            choice = {"index": i, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**base, "choices": [choice]}
 
-        text = _TextStream(params)
+        states = [_ChoiceStream(params) for _ in range(params.n)]
+
+        def choice_events(out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            state = states[c.index]
+            # With echo, a choice starts once it has a token: by then the prompt's logprobs are complete.
+            if state.done or (echo and not state.echoed and not c.token_ids and not c.finished):
+                return []
+            piece = state.text.delta(c.text, c.finished)
+            ids, entries = state.new_tokens(c)
+            if echo_only:
+                piece, ids, entries = "", [], []
+            if echo and not state.echoed:
+                state.echoed = True
+                piece, ids, entries = self._echo(out, piece, ids, entries)
+            lp = None
+            if params.logprobs is not None and ids:
+                lp = completion_logprobs(ids, entries, params.logprobs, self.tokenizer, state.text_offset)
+                state.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            chunks = [chunk(c.index, piece, lp)] if piece or lp else []
+            if c.finished:
+                state.done = True
+                chunks.append(chunk(c.index, "", finish_reason=_finish_reason(out, c)))
+            return chunks
 
         def events(out: RequestOutput) -> list[dict[str, Any]]:
-            piece = text.delta(out)
-            return [chunk(piece)] if piece else []
+            return [e for c in out.outputs for e in choice_events(out, c)]
 
-        return self._sse_stream(
-            stream, events, lambda last: chunk("", _finish_reason(last)), base, usage_mode
-        )
+        return self._sse_stream(stream, events, base, usage_mode)
