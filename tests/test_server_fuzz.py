@@ -109,6 +109,8 @@ COMMON = {
     "relax_ratio": maybe(st.floats(0, 1) | floats),
     "relax_top_k": maybe(st.integers(1, 64) | ints),
     "relax_delta": maybe(st.none() | st.floats(0, 1) | floats),
+    "repetition_penalty": maybe(st.just(1.0) | floats),
+    "prompt_logprobs": maybe(st.none() | ints),
 }
 part = st.fixed_dictionaries({"type": maybe(st.just("text")), "text": maybe(text)})
 message = st.fixed_dictionaries(
@@ -177,19 +179,29 @@ VALID = {
     "relax_ratio": st.floats(0, 1),
     "relax_top_k": st.integers(1, 64),
     "relax_delta": st.none() | st.floats(0, 1),
+    "n": st.integers(1, 3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "prompt_logprobs": st.none() | st.integers(0, 3),
 }
 valid_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"]), "content": odd_text}
 )
 valid_chat = body(
     {"messages": st.lists(valid_message, min_size=1, max_size=2)},
-    {**VALID, "chat_template_kwargs": st.just({"enable_thinking": False})},
+    {
+        **VALID,
+        "chat_template_kwargs": st.just({"enable_thinking": False}),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 3),
+    },
     max_fields=8,
     extras=False,
 )
 valid_comp = body(
     {"prompt": odd_text | st.lists(st.integers(0, 260), min_size=1, max_size=6)},
-    VALID,
+    {**VALID, "logprobs": st.integers(0, 3), "echo": st.booleans()},
     max_fields=8,
     extras=False,
 )
