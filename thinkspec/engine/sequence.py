@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from thinkspec.engine.detokenizer import IncrementalDetokenizer
 from thinkspec.outputs import PositionLogprobs, RequestMetrics
 from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling_params import SamplingParams
-from thinkspec.utils import detokenize_incrementally, initial_detokenize_offsets
 
 PENDING_TOKEN = -1  # stands for a sampled token still on its way to the host (never an input)
 
@@ -52,8 +52,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None  # why it finished with "error"
-    prefix_offset: int = 0  # incremental detokenization window into token_ids
-    read_offset: int = 0
+    detokenizer: IncrementalDetokenizer | None = None  # made at the first commit that needs text
     # Speculative decoding: tokens whose K/V the draft model holds (never more than the target's),
     # and the reasoning phase after the committed tokens (True = inside <think>).
     num_draft_computed_tokens: int = 0
@@ -79,7 +78,6 @@ class Sequence:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         self.token_ids = list(self.prompt_token_ids)
-        self.prefix_offset, self.read_offset = initial_detokenize_offsets(len(self.prompt_token_ids))
         self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=self.num_prompt_tokens)
 
     @property
@@ -154,9 +152,10 @@ def commit_token(seq: Sequence, token_id: int, *, max_model_len: int, tokenizer:
             stop_by_id = ("stop", None)
 
     if tokenizer is not None and (stop_by_id is None or params.include_stop_str_in_output):
-        delta, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
-            tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset, params.skip_special_tokens
-        )
+        if seq.detokenizer is None:
+            skip = params.skip_special_tokens
+            seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, skip)
+        delta = seq.detokenizer.step(seq.token_ids)
         seq.output_text += delta
         if stop_by_id is None and params.stop and delta and _check_stop_strings(seq, len(delta)):
             return True
