@@ -328,3 +328,36 @@ def test_repetition_penalty_greedy_equals_transformers(client, tok):
             client.completions.create(prompt=prompt, max_tokens=120, **GREEDY, **{name: 2.0}).choices[0].text
         )
         assert pen != long, name
+
+
+# ---- response shapes (no server) ----------------------------------------------------------------
+
+
+def test_logprob_shapes_order_and_clamp_infinity():
+    from thinkspec.entrypoints.openai.logprobs import (
+        LOGPROB_FLOOR,
+        chat_logprobs,
+        completion_logprobs,
+        raw_prompt_logprobs,
+    )
+    from thinkspec.outputs import Logprob
+
+    # chosen token 7 (rank 3, -inf as the raw logits can give), then the two best
+    entry = {7: Logprob(float("-inf"), 3, "c"), 5: Logprob(-0.1, 1, "a"), 6: Logprob(-2.5, 2, "b")}
+    chat = chat_logprobs([7], [entry], 2)["content"][0]
+    assert chat["token"] == "c" and chat["logprob"] == LOGPROB_FLOOR == -9999.0 and chat["bytes"] == [99]
+    assert [(t["token"], t["logprob"]) for t in chat["top_logprobs"]] == [("a", -0.1), ("b", -2.5)]
+    comp = completion_logprobs([1, 7], [None, entry], 2, None, text_offset=4)
+    assert comp["tokens"] == ["<1>", "c"] and comp["token_logprobs"] == [None, -9999.0]
+    assert comp["top_logprobs"][0] is None and list(comp["top_logprobs"][1].items()) == [
+        ("c", -9999.0),
+        ("a", -0.1),
+        ("b", -2.5),
+    ]
+    assert comp["text_offset"] == [4, 7]
+    nan = {7: Logprob(float("nan"), 1, "c")}
+    assert raw_prompt_logprobs([None, nan]) == [
+        None,
+        {7: {"logprob": -9999.0, "rank": 1, "decoded_token": "c"}},
+    ]
+    json.dumps([chat, comp], allow_nan=False)  # what the JSON responses need
