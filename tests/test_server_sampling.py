@@ -91,11 +91,12 @@ def joined_per_index(chunks, fields=("reasoning", "reasoning_content", "content"
 
 
 def test_n_greedy_choices_identical_and_streams_join_per_index(client):
-    kw = dict(GREEDY, messages=MESSAGES, max_tokens=40)
+    kw = dict(GREEDY, messages=MESSAGES, max_tokens=400)
     resp = client.chat.completions.create(n=3, **kw)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     first = resp.choices[0].message
     assert first.reasoning and first.reasoning == first.reasoning_content
+    assert "958" in first.content and resp.choices[0].finish_reason == "stop"  # thought, then answered
     assert all(c.message == first and c.finish_reason == resp.choices[0].finish_reason for c in resp.choices)
     single = client.chat.completions.create(**kw)
     assert single.choices[0].message == first
@@ -283,10 +284,12 @@ def test_completions_logprobs_echo_and_prompt_logprobs(client, tok):
     assert only.choices[0].logprobs is None and len(only.choices[0].model_dump()["prompt_logprobs"]) == n
 
 
-def test_completions_n_with_logprobs_stream(client, tok):
+@pytest.mark.parametrize("echo", [False, True])
+def test_completions_n_with_logprobs_stream(client, tok, echo):
     prompt = prompt_ids(tok)
-    kw = dict(GREEDY, prompt=prompt, max_tokens=10, logprobs=2, n=2)
+    kw = dict(GREEDY, prompt=prompt, max_tokens=10, logprobs=2, n=2, echo=echo)
     resp = client.completions.create(**kw)
+    assert resp.choices[0].text.startswith(tok.decode(prompt)) == echo
     chunks = list(client.completions.create(stream=True, **kw))
     for c in resp.choices:
         mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == c.index]

@@ -572,6 +572,8 @@ class OpenAIServing:
             prompt_text = self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else ""
         prompt_entries: list[PositionLogprobs | None] = [None] * len(prompt_ids)
         if out.prompt_logprobs is not None:
+            # Complete in every output: the engine reports a request once a choice has a token, and
+            # the first choice scores the whole prompt before its first token.
             assert len(out.prompt_logprobs) == len(prompt_ids), "prompt logprobs are incomplete"
             prompt_entries = list(out.prompt_logprobs)
         return prompt_text + text, [*prompt_ids, *ids], [*prompt_entries, *entries]
@@ -598,8 +600,7 @@ class OpenAIServing:
 
         def choice_events(out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
             state = states[c.index]
-            # With echo, a choice starts once it has a token: by then the prompt's logprobs are complete.
-            if state.done or (echo and not state.echoed and not c.token_ids and not c.finished):
+            if state.done:
                 return []
             piece = state.text.delta(c.text, c.finished)
             ids, entries = state.new_tokens(c)
