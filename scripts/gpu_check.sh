@@ -9,6 +9,8 @@
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
+#   projection  the projection of a sweep's cells (PROJECTION_SWEEP, PROJECTION_CELLS) against the engine
+#               replaying their acceptance at Qwen3-8B / 0.6B shapes (benchmarks/validate_projection.py)
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
@@ -71,6 +73,13 @@ if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-420}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
     ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
   record throughput "${PIPESTATUS[0]}" "${THROUGHPUT_TIMEOUT:-420}"
+fi
+
+if has projection; then
+  timeout "${PROJECTION_TIMEOUT:-300}" $PY benchmarks/validate_projection.py \
+    --sweep "${PROJECTION_SWEEP:-docs/sweep-toy-h200/sweep.json}" --cells "${PROJECTION_CELLS:-T=0 strict,T=0 r=0.3 k=8}" \
+    --out "$OUT/projection.json" ${PROJECTION_ARGS:-} 2>&1 | tee "$OUT/projection.log"
+  record projection "${PIPESTATUS[0]}" "${PROJECTION_TIMEOUT:-300}"
 fi
 
 if has long; then
@@ -208,7 +217,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round throughput gemv acceptance step toy_quality sweep; do
+for f in spec_round projection throughput gemv acceptance step toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"
