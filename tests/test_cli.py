@@ -239,6 +239,9 @@ def test_bench_runs_on_a_tiny_checkpoint(capsys, ckpt, tmp_path):
         (["--dataset", "/nonexistent.jsonl"], "dataset must be"),
         (["--temperatures", "0,-1"], "temperature must be"),
         (["--max-tokens", "0"], "max_tokens must be"),
+        (["--extra-settings", "0.1"], "--extra-settings takes ratio:top_k[:delta] items, got '0.1'"),
+        (["--extra-settings", "0.1:8:x"], "--extra-settings takes ratio:top_k[:delta]"),
+        (["--extra-settings", "0.1:8:2"], "relax_delta"),
     ],
 )
 def test_sweep_rejects_bad_flags_before_loading(capsys, tmp_path, flags, message):

@@ -31,6 +31,13 @@ def test_grid_is_the_full_product_and_validates():
         make_grid([], [2])
 
 
+def test_extra_settings_join_the_grid():
+    from thinkspec.bench.sweep import _extra_settings
+
+    assert _extra_settings("0.1:8:0.2, 0.3:3") == [RelaxSetting(0.1, 8, 0.2), RelaxSetting(0.3, 3, None)]
+    assert _extra_settings("") == []
+
+
 def test_pareto_frontier_hand_cases():
     pts = [(0.9, 10.0), (0.8, 12.0), (0.8, 11.0), (0.95, 9.0), (0.7, 12.0), (0.99, None)]
     assert pareto_frontier(pts) == [True, True, False, True, False, False]

@@ -313,6 +313,22 @@ def _calibration_batch(result: SweepResult) -> int | None:
     return None if None in caps else max(caps)
 
 
+def _extra_settings(text: str) -> list[RelaxSetting]:
+    """--extra-settings "0.1:8:0.2,0.3:3" -> cells beside the grid, each ratio:top_k[:delta]."""
+    out = []
+    for spec in (x.strip() for x in text.split(",") if x.strip()):
+        parts = spec.split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            ratio, top_k = float(parts[0]), int(parts[1])
+            delta = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            raise ValueError(f"--extra-settings takes ratio:top_k[:delta] items, got {spec!r}") from None
+        out.append(RelaxSetting(ratio, top_k, delta))
+    return out
+
+
 def _batch_sizes(text: str) -> list[int | None]:
     """--batch-sizes "1,16,all" -> [1, 16, None]; None = every request at once."""
     out: list[int | None] = []
@@ -415,7 +431,7 @@ def _sweep_inputs(
         _floats(args.relax_ratios, "--relax-ratios"),
         _ints(args.relax_top_ks, "--relax-top-ks"),
         _floats(args.relax_deltas, "--relax-deltas") or [None],
-    )
+    ) + _extra_settings(getattr(args, "extra_settings", ""))
     temperatures = _floats(args.temperatures, "--temperatures")
     if not temperatures:
         raise ValueError("--temperatures needs at least one value")

@@ -168,6 +168,11 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sweep.add_argument("--relax-ratios", default="0.1,0.3,0.5", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--relax-top-ks", default="2,4", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--relax-deltas", default="", help="comma-separated; empty = relax_delta unset")
+    sweep.add_argument(
+        "--extra-settings", default="",
+        help="cells beside the ratio x top-k x delta grid: comma-separated ratio:top_k[:delta] "
+        "(e.g. 0.1:8:0.2)",
+    )  # fmt: skip
     sweep.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--output-dir", default="sweep-out")
     sweep.add_argument("--skip-no-spec", action="store_true", help="leave out the no-speculation baseline")
