@@ -25,7 +25,9 @@
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
 #               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
-#   sweep       the toy reasoner sweep of docs/SWEEP.md (SWEEP_DIR, resumable; copied to $OUT/sweep)
+#   sweep       the toy reasoner sweep of docs/SWEEP.md (SWEEP_DIR, resumable; copied to $OUT/sweep);
+#               SWEEP_N, SWEEP_TEMPS, SWEEP_RATIOS, SWEEP_TOPKS, SWEEP_EXTRA, SWEEP_REPEATS, SWEEP_BATCHES,
+#               SWEEP_HF, SWEEP_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
@@ -195,9 +197,10 @@ if has sweep; then
   dir=${SWEEP_DIR:-docs/sweep-toy-h200}
   timeout "${SWEEP_TIMEOUT:-400}" $PY -m thinkspec.entrypoints.cli sweep toy-reasoner --device cuda \
     --num-prompts "${SWEEP_N:-500}" --max-tokens 512 --max-num-seqs 512 --max-num-batched-tokens 8192 \
-    --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3}" \
-    --relax-top-ks "${SWEEP_TOPKS:-8}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
-    --output-dir "$dir" --resume 2>&1 | grep -v 'it/s]' >"$OUT/sweep.log"
+    --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3,0.6}" \
+    --relax-top-ks "${SWEEP_TOPKS:-3,8}" --extra-settings "${SWEEP_EXTRA:-0.3:8:0.2}" --repeats "${SWEEP_REPEATS:-3}" \
+    --batch-sizes "${SWEEP_BATCHES:-all}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
+    --output-dir "$dir" --resume ${SWEEP_ARGS:-} 2>&1 | grep -v 'it/s]' >"$OUT/sweep.log"
   record sweep "${PIPESTATUS[0]}" "${SWEEP_TIMEOUT:-400}"
   mkdir -p "$OUT/sweep" && cp "$dir"/* "$OUT/sweep/" 2>/dev/null
 fi
