@@ -40,7 +40,7 @@ from thinkspec.bench.projection import (
     project,
     simulate_batch,
 )
-from thinkspec.bench.warmth import build_counts, check_no_builds
+from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
 from thinkspec.engine.model_runner import use_triton_kernels
 from thinkspec.models.loader import load_model
 
@@ -140,6 +140,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, vocab, (max(batches), args.prompt_len), generator=gen).tolist()
         for llm in engines.values():  # warm at every timed shape (twice: the second hits the prefix cache)
+            capture_graphs(llm, max(batches))
             for b in batches:
                 decode_seconds(llm, prompts[:b], L)
                 decode_seconds(llm, prompts[:b], L)

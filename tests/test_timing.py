@@ -152,3 +152,27 @@ def test_a_new_kernel_variant_is_counted_on_cuda():
     torch.cuda.synchronize()
     assert after_first == before + 1
     assert compiled_kernels() == before + 2
+
+
+def test_capture_graphs_covers_every_bucket_up_to_the_batch_at_every_width():
+    from types import SimpleNamespace
+
+    from thinkspec.bench.warmth import capture_graphs
+    from thinkspec.engine.cuda_graph import GraphSpec
+
+    class Cache:
+        def __init__(self) -> None:
+            self.spec = GraphSpec((1, 2, 5), (1, 2, 4, 8, 16, 24, 32), 64, 4)
+            self.graphs: dict = {}
+
+        def ensure_captured(self, key) -> None:
+            self.graphs[key] = object()
+
+    target, draft = SimpleNamespace(graphs=Cache()), SimpleNamespace(graphs=Cache())
+    speculator = SimpleNamespace(proposer=SimpleNamespace(runner=draft))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_runner=target, speculator=speculator))
+    assert capture_graphs(llm, 20) == 2 * 3 * 6  # buckets 1..24 (24 holds 20 rows) x 3 widths x 2 runners
+    assert set(target.graphs.graphs) == {(b, q) for b in (1, 2, 4, 8, 16, 24) for q in (1, 2, 5)}
+    assert capture_graphs(llm, 20) == 0  # all there already
+    plain = SimpleNamespace(model_runner=SimpleNamespace(graphs=None), speculator=None)
+    assert capture_graphs(SimpleNamespace(llm_engine=plain), 8) == 0

@@ -14,7 +14,7 @@ from typing import Any
 
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import CellResult
-from thinkspec.bench.warmth import build_counts, check_no_builds
+from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
 from thinkspec.llm import LLM
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
@@ -224,6 +224,7 @@ def run_bench_command(args: Any) -> int:
             prompts, use_tqdm=False,
         )  # fmt: skip
 
+    capture_graphs(llm, len(items))
     run()  # warm-up at the timed batch and length
     (cell,) = run_round_robin([(llm, run)], args.repeats, use_tqdm=not args.no_progress)
     row = cell.summary()

@@ -16,6 +16,7 @@ from typing import Any
 from thinkspec.bench.bench import format_prompts, run_cell, run_round_robin, sampling_params_for
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, SweepResult, cell_name
+from thinkspec.bench.warmth import capture_graphs
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.llm import LLM
 
@@ -191,6 +192,8 @@ def _run_plan(
             return lambda: _run_planned_cell(llm, items, texts, planned, max_tokens, seed, False)
 
         if warmup:  # every engine, temperature and acceptance mode at full batch and length, untimed
+            for llm in llms.values():
+                capture_graphs(llm, len(items))
             warm_groups = {(_engine_kind(p), p[1], p[0], p[3]): p for p in reversed(plan)}
             for planned in warm_groups.values():
                 runner(planned)()
