@@ -127,6 +127,9 @@ def main() -> None:
         costs = measure_costs(args, tdir, ddir, batches)
         result["costs"] = [{"batch": c.batch, "plain_ms": c.plain_ms, "draft_ms": c.draft_ms,
                             "verify_ms": c.verify_ms, "round_ms": c.round_ms} for c in costs]  # fmt: skip
+        for c in costs:
+            print(f"  costs batch {c.batch}: plain {c.plain_ms:.2f} ms, draft {c.draft_ms:.2f} ms, "
+                  f"verify {c.verify_ms:.2f} ms, round {c.round_ms:.2f} ms", flush=True)  # fmt: skip
         common = dict(
             device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16", load_format="dummy",
             skip_tokenizer_init=True, max_num_seqs=max(batches), kv_cache_memory=args.kv_cache_memory,
