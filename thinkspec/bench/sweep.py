@@ -154,8 +154,11 @@ def _resumable_cells(previous: SweepResult | None, config: dict[str, Any]) -> di
     """The finished cells of an earlier sweep by name; ValueError when it measured something else."""
     if previous is None:
         return {}
-    keys = ("dataset", "num_prompts", "max_tokens", "seed", "speculative_config")
-    mismatch = [k for k in keys if previous.config.get(k) != config.get(k)]
+    keys = ("dataset", "level", "level_params", "num_prompts", "max_tokens", "seed", "speculative_config")
+    # Files written before levels existed (and configs without them) measured the easy level.
+    earlier = {**_level_config(previous.config.get("dataset", ""), "easy"), **previous.config}
+    now = {**_level_config(config.get("dataset", ""), "easy"), **config}
+    mismatch = [k for k in keys if earlier.get(k) != now.get(k)]
     if mismatch:
         raise ValueError(f"cannot resume: the earlier sweep differs in {mismatch}")
     return {c.name: c for c in previous.cells}
@@ -426,7 +429,7 @@ def _sweep_inputs(
 ) -> tuple[list[RelaxSetting], list[float], dict[str, Any], dict[str, Any], list[BenchItem]]:
     """(grid, temperatures, engine kwargs, speculative config, items) from the sweep flags;
     ValueError for a bad flag, before any model loads."""
-    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.bench.datasets import default_max_tokens, load_dataset
     from thinkspec.engine_args import engine_kwargs
     from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
 
@@ -449,9 +452,11 @@ def _sweep_inputs(
             raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
         spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
     spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
+    if args.max_tokens is None:
+        args.max_tokens = default_max_tokens(args.dataset, args.level)
     for t in temperatures:
         sampling_params_for(1, t, args.max_tokens, args.sampling_seed)  # fail before loading
-    items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+    items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed, args.level)
     return settings, temperatures, kwargs, spec, items
 
 
@@ -462,6 +467,7 @@ def _sweep_config(args: Any, kwargs: dict[str, Any], previous: SweepResult | Non
 
     config: dict[str, Any] = {
         "dataset": args.dataset,
+        **_level_config(args.dataset, args.level),
         "model": kwargs["model"],
         "device": kwargs.get("device", "auto"),
         "dtype": kwargs.get("dtype", "auto"),
@@ -472,6 +478,18 @@ def _sweep_config(args: Any, kwargs: dict[str, Any], previous: SweepResult | Non
         commands.append("thinkspec " + shlex.join(sys.argv[1:]))
     config["commands"] = commands
     return config
+
+
+def _level_config(dataset: str, level: str) -> dict[str, Any]:
+    """What a sweep records about the toy level: its name and its parameters (a level's constants
+    can change between versions; a resumed sweep must not mix two)."""
+    if dataset != "toy":
+        return {"level": None, "level_params": None}
+    from dataclasses import asdict
+
+    from thinkspec.toy.task import LEVELS
+
+    return {"level": level, "level_params": asdict(LEVELS[level])}
 
 
 # HF transformers spells these dtypes by their long names.
