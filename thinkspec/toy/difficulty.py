@@ -133,7 +133,7 @@ def pick_hard(scores: list[dict[str, Any]]) -> dict[str, Any] | None:
     done = [s for s in scores if not s["partial"] and s["accuracy"] is not None]
     if not done:
         return None
-    best = min(reversed(done), key=lambda s: abs(s["accuracy"] - PICK_TARGET))
+    best = min(reversed(done), key=lambda s: round(abs(s["accuracy"] - PICK_TARGET), 9))
     return {
         "label": best["label"],
         "accuracy": best["accuracy"],
