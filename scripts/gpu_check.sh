@@ -22,12 +22,14 @@
 #               "batch[:max_model_len[:sync]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
 #               max_model_len when empty; sync = async_scheduling off); STEP_ARGS go to every run
 #               (e.g. "--prompt-len 384" for a longer context)
-#   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
-#               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
+#   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") on the bundled pair's
+#               data (the difficulty range, rows of 2,048) and screen them with the simulated
+#               measurements of thinkspec.toy.analyze (ANALYZE_N easy problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
 #   sweep       the toy reasoner sweep of docs/SWEEP.md (SWEEP_DIR, resumable; copied to $OUT/sweep);
 #               SWEEP_N, SWEEP_TEMPS, SWEEP_RATIOS, SWEEP_TOPKS, SWEEP_EXTRA, SWEEP_REPEATS, SWEEP_BATCHES,
 #               SWEEP_HF, SWEEP_ARGS
+#               (SWEEP_LEVEL=hard: the hard level, with its own max_tokens)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
@@ -164,8 +166,9 @@ if has drafts; then
     IFS=: read -r name steps bias <<<"$spec"
     timeout 120 $PY -m thinkspec.toy.train --role draft --tokenizer thinkspec/assets/toy-reasoner/target \
       --out "$work/$name" --num-layers 3 --hidden-size 160 --num-heads 5 --head-dim 32 \
-      --intermediate-size 480 --steps "$steps" --batch-size 128 --seq-len 640 --samples 100000 --lr 2e-3 \
-      --warmup-steps 50 --log-every 100 --seed 1 --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1
+      --intermediate-size 480 --steps "$steps" --batch-size 40 --seq-len 2048 --max-positions 2048 \
+      --mix range --samples 40000 --lr 2e-3 --warmup-steps 50 --log-every 100 --seed 1 \
+      --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1
     rc=$?
     record "draft $name" "$rc" 120
     [ "$rc" -eq 0 ] && names+=("$name")
@@ -196,7 +199,7 @@ fi
 if has sweep; then
   dir=${SWEEP_DIR:-docs/sweep-toy-h200}
   timeout "${SWEEP_TIMEOUT:-400}" $PY -m thinkspec.entrypoints.cli sweep toy-reasoner --device cuda \
-    --num-prompts "${SWEEP_N:-500}" --max-tokens 512 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+    --num-prompts "${SWEEP_N:-500}" --level "${SWEEP_LEVEL:-easy}" --max-num-seqs 512 --max-num-batched-tokens 8192 \
     --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3,0.6}" \
     --relax-top-ks "${SWEEP_TOPKS:-3,8}" --extra-settings "${SWEEP_EXTRA:-0.3:8:0.2}" --repeats "${SWEEP_REPEATS:-3}" \
     --batch-sizes "${SWEEP_BATCHES:-all}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
