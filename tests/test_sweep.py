@@ -208,6 +208,8 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     assert float(csv_rows[1]["accuracy"]) == rows["T=0 strict"]["accuracy"]
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
+    assert data["config"]["level"] == "easy" and data["config"]["level_params"]["max_value"] == 9999
+    assert "Dataset `toy` at level easy (2-4 numbers, operands up to 999, totals up to 9999)" in report
     assert (
         "| T=0 strict |" in report and "Pareto frontier" in report and "![Pareto plot](pareto.png)" in report
     )
