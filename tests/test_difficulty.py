@@ -89,9 +89,13 @@ def test_generate_until_aborts_what_runs_at_the_deadline(toy_llm, monkeypatch):
     # A clock that passes the deadline after a few steps: the one-token request finished, the rest not.
     calls = iter(range(10**6))
     monkeypatch.setattr(difficulty.time, "time", lambda: 0.0 if next(calls) < 4 else 1e9)
+    engine, steps = toy_llm.llm_engine, []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **kw: steps.append(1) or step(*a, **kw))
     cut = generate_until(toy_llm, prompts, [quick, slow, slow], 100.0, "t")
     assert cut[0] is not None and cut[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert cut[1] is None and cut[2] is None
+    assert len(steps) <= 6  # aborted at the deadline, not run to their 40 tokens
     assert not toy_llm.llm_engine.has_unfinished_requests()
     monkeypatch.undo()
     past = generate_until(toy_llm, prompts, [slow] * 3, 0.0, "t")  # already over: nothing runs

@@ -262,11 +262,13 @@ def test_easy_level_is_the_original_stream():
 @pytest.mark.parametrize("level", HARD_CANDIDATES, ids=lambda lv: lv.label)
 def test_hard_candidates_stay_in_bounds_and_grade(level):
     rng = random.Random(17)
-    counts, ops_seen, biggest = set(), set(), 0
+    counts, ops_seen, biggest = set(), set(), {"+": 0, "-": 0}
     for _ in range(400):
         p = generate_problem(rng, level)
         counts.add(len(p.operands))
-        biggest = max([biggest, p.start, *(b for op, b in p.ops if op != "x")])
+        for op, b in p.ops:
+            if op != "x":
+                biggest[op] = max(biggest[op], b)
         assert 10 <= p.start <= level.max_operand
         v = p.start
         for op, b in p.ops:
@@ -279,7 +281,8 @@ def test_hard_candidates_stay_in_bounds_and_grade(level):
             assert 1 <= v <= level.max_value
         assert p.answer == v
     assert counts == set(range(level.min_operands, level.max_operands + 1))
-    assert len(str(biggest)) == len(str(level.max_operand))  # operands use the level's digits
+    # +/- operands use the level's digits
+    assert [len(str(b)) for b in biggest.values()] == [len(str(level.max_operand))] * 2
     assert ops_seen == set(OPS)
     # Big enough to need the extra columns, and every trace is right and gradable.
     samples = generate_samples(60, seed=23, level=level)
