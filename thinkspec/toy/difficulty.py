@@ -300,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     def saver(key: str) -> Save:
         def write(value: Any) -> None:
             data[key] = value
-            path.write_text(json.dumps(data, indent=1) + "\n")
+            tmp = path.with_name(path.name + ".tmp")  # replaced whole: a run killed mid-write keeps the last
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            tmp.replace(path)
 
         return write
 
