@@ -24,7 +24,7 @@ TARGET_SIZE=${TARGET_SIZE:-""}  # e.g. "--hidden-size 64 --num-layers 2" for smo
 # the default, fork-biased one; draft-strong the longer-trained uniform one). D_BATCH rows of SEQ tokens
 # per step: 40 x 2048 is about the 128 x 640 tokens per step the first drafts were trained with.
 DRAFTS=${DRAFTS:-"draft:3:160:5:32:480:250:0.9 draft-strong:3:160:5:32:480:400:0"}
-D_SAMPLES=${D_SAMPLES:-40000}; D_BATCH=${D_BATCH:-40}; D_BUDGET=${D_BUDGET:-40}; D_WORKERS=${D_WORKERS:-6}
+D_SAMPLES=${D_SAMPLES:-40000}; D_BATCH=${D_BATCH:-40}; D_BUDGET=${D_BUDGET:-60}; D_WORKERS=${D_WORKERS:-6}
 N_EASY=${N_EASY:-500}; N_HARD=${N_HARD:-200}; N_SPEC_EASY=${N_SPEC_EASY:-300}; N_SPEC_HARD=${N_SPEC_HARD:-200}
 GRID_RESERVE=${GRID_RESERVE:-60}  # seconds of TOTAL_BUDGET kept for the drafts stage
 ANALYZE_ARGS=${ANALYZE_ARGS:-"--kv-cache-gib 16"}
