@@ -77,6 +77,7 @@ if [ ${#trained[@]} -gt 0 ]; then
     --time-budget-s "$(left)" $ANALYZE_ARGS 2>&1 | tee -a "$OUT/analysis.log" || failed+=(drafts-analysis)
 fi
 
+sed -n '/^level | n |/,/^suggested hard level/p' "$OUT/analysis.log"  # the grid again, last in the output
 sizes=$(cd "$WORK" && du -cb target/model.safetensors "${trained[@]/%//model.safetensors}" | tail -1 | cut -f1)
 log "weights to bundle: $sizes bytes (limit 40 MB)"
 if [ ${#failed[@]} -gt 0 ]; then
