@@ -83,9 +83,9 @@ def test_generate_until_aborts_what_runs_at_the_deadline(toy_llm, monkeypatch):
 
     prompts = [item.prompt for item in toy_dataset(3, 1, EASY)]
     quick = SamplingParams(temperature=0.0, max_tokens=1)
-    slow = SamplingParams(temperature=0.0, max_tokens=40)
+    slow = SamplingParams(temperature=0.0, max_tokens=16)
     outs = generate_until(toy_llm, prompts, [quick, slow, slow], None, "t")
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 40, 40]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 16, 16]
     # A clock that passes the deadline after a few steps: the one-token request finished, the rest not.
     calls = iter(range(10**6))
     monkeypatch.setattr(difficulty.time, "time", lambda: 0.0 if next(calls) < 4 else 1e9)
@@ -95,7 +95,7 @@ def test_generate_until_aborts_what_runs_at_the_deadline(toy_llm, monkeypatch):
     cut = generate_until(toy_llm, prompts, [quick, slow, slow], 100.0, "t")
     assert cut[0] is not None and cut[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert cut[1] is None and cut[2] is None
-    assert len(steps) <= 6  # aborted at the deadline, not run to their 40 tokens
+    assert len(steps) <= 6  # aborted at the deadline, not run to their 16 tokens
     assert not toy_llm.llm_engine.has_unfinished_requests()
     monkeypatch.undo()
     past = generate_until(toy_llm, prompts, [slow] * 3, 0.0, "t")  # already over: nothing runs
