@@ -15,7 +15,7 @@ from pathlib import Path
 
 from thinkspec import LLM
 from thinkspec.bench.bench import run_cell
-from thinkspec.bench.datasets import BenchItem, load_dataset
+from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
 from thinkspec.toy.assets import ASSETS_DIR
 
 TOY = ASSETS_DIR / "toy-reasoner"
@@ -39,14 +39,16 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--drafts", default="draft", help="comma-separated draft folders under the toy assets")
     p.add_argument("--relax", default="0.3:3,0.1:8", help="relaxed settings as ratio:top_k, comma-separated")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--level", choices=("easy", "hard"), default="easy", help="toy problem difficulty")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the level's budget")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--no-baseline", action="store_true", help="skip the no-speculation run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    items = load_dataset("toy", args.num_problems, seed=args.seed)
+    items = load_dataset("toy", args.num_problems, seed=args.seed, level=args.level)
+    args.max_tokens = args.max_tokens or default_max_tokens("toy", args.level)
     common = dict(device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192)
     modes: list[tuple[str, dict | None]] = [] if args.no_baseline else [("no_spec", None)]
     for draft in args.drafts.split(","):
@@ -57,13 +59,15 @@ def main() -> None:
             cfg = {**base, "relaxed_thinking": True, "relax_ratio": float(ratio), "relax_top_k": int(top_k)}
             modes.append((f"{draft}/relaxed r={ratio} k={top_k}", cfg))
     rows: dict[str, dict] = {}
-    result = {"num_problems": args.num_problems, "seed": args.seed, "k": args.k, "modes": rows}
+    result = {
+        "num_problems": args.num_problems, "seed": args.seed, "level": args.level, "k": args.k, "modes": rows
+    }  # fmt: skip
     for name, cfg in modes:
         llm = LLM(TOY / "target", speculative_config=cfg, **common)
         rows[name] = run_mode(llm, items, args.max_tokens)
         if args.out:  # after every mode, so a cut-short run keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"toy reasoner, {args.num_problems} problems (seed {args.seed}), greedy, k={args.k}")
+    print(f"toy reasoner, {args.num_problems} {args.level} problems (seed {args.seed}), greedy, k={args.k}")
     header = ["mode", "acc", "AL", "AL think", "AL ans", "relaxed", "tok/s", "len"]
     print(f"{header[0]:<28} " + " ".join(f"{h:>8}" for h in header[1:]))
     for name, r in rows.items():

@@ -9,6 +9,8 @@
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
+#   projection  the projection of a sweep's cells (PROJECTION_SWEEP, PROJECTION_CELLS) against the engine
+#               replaying their acceptance at Qwen3-8B / 0.6B shapes (benchmarks/validate_projection.py)
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
@@ -20,10 +22,14 @@
 #               "batch[:max_model_len[:sync]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
 #               max_model_len when empty; sync = async_scheduling off); STEP_ARGS go to every run
 #               (e.g. "--prompt-len 384" for a longer context)
-#   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") and screen them with
-#               the simulated measurements of thinkspec.toy.analyze (ANALYZE_N problems)
+#   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") on the bundled pair's
+#               data (the difficulty range, rows of 2,048) and screen them with the simulated
+#               measurements of thinkspec.toy.analyze (ANALYZE_N easy problems)
 #   toy         toy reasoner quality gates with the engine (TOY_N problems, TOY_DRAFTS)
-#   sweep       the toy reasoner sweep of docs/SWEEP.md (SWEEP_DIR, resumable; copied to $OUT/sweep)
+#   sweep       the toy reasoner sweep of docs/SWEEP.md (SWEEP_DIR, resumable; copied to $OUT/sweep);
+#               SWEEP_N, SWEEP_TEMPS, SWEEP_RATIOS, SWEEP_TOPKS, SWEEP_EXTRA, SWEEP_REPEATS, SWEEP_BATCHES,
+#               SWEEP_HF, SWEEP_ARGS
+#               (SWEEP_LEVEL=hard: the hard level, with its own max_tokens)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
@@ -71,6 +77,13 @@ if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-420}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
     ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
   record throughput "${PIPESTATUS[0]}" "${THROUGHPUT_TIMEOUT:-420}"
+fi
+
+if has projection; then
+  timeout "${PROJECTION_TIMEOUT:-300}" $PY benchmarks/validate_projection.py \
+    --sweep "${PROJECTION_SWEEP:-docs/sweep-toy-h200/sweep.json}" --cells "${PROJECTION_CELLS:-T=0 strict,T=0 r=0.3 k=8}" \
+    --out "$OUT/projection.json" ${PROJECTION_ARGS:-} 2>&1 | tee "$OUT/projection.log"
+  record projection "${PIPESTATUS[0]}" "${PROJECTION_TIMEOUT:-300}"
 fi
 
 if has long; then
@@ -153,8 +166,9 @@ if has drafts; then
     IFS=: read -r name steps bias <<<"$spec"
     timeout 120 $PY -m thinkspec.toy.train --role draft --tokenizer thinkspec/assets/toy-reasoner/target \
       --out "$work/$name" --num-layers 3 --hidden-size 160 --num-heads 5 --head-dim 32 \
-      --intermediate-size 480 --steps "$steps" --batch-size 128 --seq-len 640 --samples 100000 --lr 2e-3 \
-      --warmup-steps 50 --log-every 100 --seed 1 --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1
+      --intermediate-size 480 --steps "$steps" --batch-size 40 --seq-len 2048 --max-positions 2048 \
+      --mix range --samples 40000 --lr 2e-3 --warmup-steps 50 --log-every 100 --seed 1 \
+      --fork-bias "${bias:-0}" >>"$OUT/drafts.log" 2>&1
     rc=$?
     record "draft $name" "$rc" 120
     [ "$rc" -eq 0 ] && names+=("$name")
@@ -185,10 +199,11 @@ fi
 if has sweep; then
   dir=${SWEEP_DIR:-docs/sweep-toy-h200}
   timeout "${SWEEP_TIMEOUT:-400}" $PY -m thinkspec.entrypoints.cli sweep toy-reasoner --device cuda \
-    --num-prompts "${SWEEP_N:-500}" --max-tokens 512 --max-num-seqs 512 --max-num-batched-tokens 8192 \
-    --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3}" \
-    --relax-top-ks "${SWEEP_TOPKS:-8}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
-    --output-dir "$dir" --resume 2>&1 | grep -v 'it/s]' >"$OUT/sweep.log"
+    --num-prompts "${SWEEP_N:-500}" --level "${SWEEP_LEVEL:-easy}" --max-num-seqs 512 --max-num-batched-tokens 8192 \
+    --gpu-memory-utilization 0.5 --temperatures "${SWEEP_TEMPS:-0,0.6}" --relax-ratios "${SWEEP_RATIOS:-0.1,0.3,0.6}" \
+    --relax-top-ks "${SWEEP_TOPKS:-3,8}" --extra-settings "${SWEEP_EXTRA:-0.3:8:0.2}" --repeats "${SWEEP_REPEATS:-3}" \
+    --batch-sizes "${SWEEP_BATCHES:-all}" --accuracy-budget 0.01 --hf-baseline-prompts "${SWEEP_HF:-10}" \
+    --output-dir "$dir" --resume ${SWEEP_ARGS:-} 2>&1 | grep -v 'it/s]' >"$OUT/sweep.log"
   record sweep "${PIPESTATUS[0]}" "${SWEEP_TIMEOUT:-400}"
   mkdir -p "$OUT/sweep" && cp "$dir"/* "$OUT/sweep/" 2>/dev/null
 fi
@@ -208,7 +223,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round throughput gemv acceptance step toy_quality sweep; do
+for f in spec_round projection throughput gemv acceptance step toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

@@ -227,6 +227,10 @@ def test_bench_runs_on_a_tiny_checkpoint(capsys, ckpt, tmp_path):
     assert "acc" in table and "tok/s" in table
     summary = json.loads(out.read_text())["summary"]
     assert summary["num_prompts"] == 2 and summary["mode"] == "no_spec"
+    assert json.loads(out.read_text())["config"]["level"] == "easy"
+    hard = tmp_path / "hard.json"
+    assert main([*argv[:-1], "--level", "hard", "--output-json", str(hard), "--no-progress"]) == 0
+    assert json.loads(hard.read_text())["config"]["level"] == "hard"
 
 
 @pytest.mark.parametrize(
@@ -239,6 +243,10 @@ def test_bench_runs_on_a_tiny_checkpoint(capsys, ckpt, tmp_path):
         (["--dataset", "/nonexistent.jsonl"], "dataset must be"),
         (["--temperatures", "0,-1"], "temperature must be"),
         (["--max-tokens", "0"], "max_tokens must be"),
+        (["--extra-settings", "0.1"], "--extra-settings takes ratio:top_k[:delta] items, got '0.1'"),
+        (["--extra-settings", "0.1:8:x"], "--extra-settings takes ratio:top_k[:delta]"),
+        (["--extra-settings", "0.1:8:2"], "relax_delta"),
+        (["--level", "hard", "--dataset", "/nonexistent.jsonl"], "--level applies to the toy dataset only"),
     ],
 )
 def test_sweep_rejects_bad_flags_before_loading(capsys, tmp_path, flags, message):

@@ -12,9 +12,12 @@ import pytest
 from thinkspec.bench.projection import (
     AcceptanceProfile,
     StepCosts,
+    conditional_rates,
     costs_from_spec_round,
     profiles_from_sweep,
     project,
+    round_ms_at,
+    simulate_batch,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,3 +81,52 @@ def test_script_reads_spec_round_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["cell"] for r in rows] == ["no speculation", "T=0 strict"]
     assert "T=0 strict" in run.stdout
+
+
+def test_round_time_interpolates_between_measured_batches():
+    costs = [StepCosts(batch=1, k=4, plain_ms=4.0, draft_ms=1.0, verify_ms=4.0),     # round 8 ms
+             StepCosts(batch=17, k=4, plain_ms=5.0, draft_ms=1.5, verify_ms=10.0)]  # round 16 ms
+    assert round_ms_at(costs, 1) == pytest.approx(8.0)
+    assert round_ms_at(costs, 9) == pytest.approx(12.0)
+    assert round_ms_at(costs, 64) == pytest.approx(16.0)  # flat past the largest measured batch
+
+
+def test_conditional_rates_undo_the_cumulative_shares():
+    assert conditional_rates([0.8, 0.4, 0.2, 0.0]).tolist() == pytest.approx([0.8, 0.5, 0.5, 0.0])
+    assert conditional_rates([0.0, 0.0]).tolist() == [0.0, 0.0]
+
+
+def test_simulated_batch_of_one_matches_the_steady_state_formula():
+    # One row has no tail: its expected rate is the formula's (up to sampling noise and the last,
+    # capped round).
+    profile = AcceptanceProfile("x", (0.8, 0.6, 0.4, 0.2), (0.5, 0.1, 0.0, 0.0), 0.9)
+    costs = [StepCosts(batch=1, k=4, plain_ms=4.0, draft_ms=1.0, verify_ms=4.0)]
+    steady = project([profile], costs)[1]["tokens_per_s"]
+    sim = simulate_batch(profile, costs, batch=1, output_len=2001, thinking_tokens=1800, runs=400)
+    assert sim == pytest.approx(steady, rel=0.02)
+
+
+def test_simulated_batch_pays_for_its_tail():
+    # Rows of a batch finish at different rounds and the round costs nearly as much with fewer rows,
+    # so a batch of 64 started together is slower than the steady state; every draft always accepted
+    # removes the spread and the two agree exactly.
+    costs = [StepCosts(batch=1, k=4, plain_ms=4.0, draft_ms=1.0, verify_ms=8.0),
+             StepCosts(batch=64, k=4, plain_ms=5.0, draft_ms=1.0, verify_ms=9.0)]  # fmt: skip
+    noisy = AcceptanceProfile("n", (0.7, 0.5, 0.3, 0.2), (0.7, 0.5, 0.3, 0.2), 1.0)
+    steady = project([noisy], costs)[-1]["tokens_per_s"]
+    assert simulate_batch(noisy, costs, batch=64, output_len=257, thinking_tokens=257) < 0.95 * steady
+    sure = AcceptanceProfile("s", (1.0,) * 4, (1.0,) * 4, 1.0)
+    # 256 tokens after the first in rounds of 5: 51 rounds of 13 ms plus one capped round
+    assert simulate_batch(sure, costs, batch=64, output_len=257, thinking_tokens=257) == pytest.approx(
+        64 * 256 / (52 * 13.0) * 1e3
+    )
+
+
+def test_simulated_phase_switch_uses_each_phases_rates():
+    costs = [StepCosts(batch=1, k=2, plain_ms=1.0, draft_ms=0.0, verify_ms=1.0)]
+    always = AcceptanceProfile("t", (1.0, 1.0), (0.0, 0.0), 0.5)
+    # 1 token from prefill; thinking until 7 emitted: rounds of 3 -> 7 after 2 rounds; then 1 per round
+    # for the remaining 6 tokens of output_len 13: 8 rounds of 1 ms for 12 tokens
+    assert simulate_batch(always, costs, batch=1, output_len=13, thinking_tokens=7, runs=3) == pytest.approx(
+        12 / 8.0 * 1e3
+    )

@@ -31,6 +31,13 @@ def test_grid_is_the_full_product_and_validates():
         make_grid([], [2])
 
 
+def test_extra_settings_join_the_grid():
+    from thinkspec.bench.sweep import _extra_settings
+
+    assert _extra_settings("0.1:8:0.2, 0.3:3") == [RelaxSetting(0.1, 8, 0.2), RelaxSetting(0.3, 3, None)]
+    assert _extra_settings("") == []
+
+
 def test_pareto_frontier_hand_cases():
     pts = [(0.9, 10.0), (0.8, 12.0), (0.8, 11.0), (0.95, 9.0), (0.7, 12.0), (0.99, None)]
     assert pareto_frontier(pts) == [True, True, False, True, False, False]
@@ -201,6 +208,8 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     assert float(csv_rows[1]["accuracy"]) == rows["T=0 strict"]["accuracy"]
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
+    assert data["config"]["level"] == "easy" and data["config"]["level_params"]["max_value"] == 9999
+    assert "Dataset `toy` at level easy (2-4 numbers, operands up to 999, totals up to 9999)" in report
     assert (
         "| T=0 strict |" in report and "Pareto frontier" in report and "![Pareto plot](pareto.png)" in report
     )
@@ -278,3 +287,85 @@ def test_batch_curves_group_cells_by_requests_in_flight():
     # greedy outputs do not depend on how many requests share the engine
     assert rows["T=0 strict b=1"]["mean_output_tokens"] == rows["T=0 strict"]["mean_output_tokens"]
     assert result.comparisons["T=0 r=0.3 k=8 b=1"] == result.comparisons["T=0 r=0.3 k=8"]
+
+
+def test_level_flag_reaches_the_items_and_the_record():
+    """`thinkspec sweep --level hard`: hard problems, the level's token budget, and a record of both."""
+    from dataclasses import asdict
+
+    from thinkspec.bench.sweep import _sweep_config, _sweep_inputs
+    from thinkspec.entrypoints.cli import build_parser
+    from thinkspec.toy.task import EASY, HARD
+
+    def inputs(*flags: str):
+        args = build_parser().parse_args(["sweep", "--device", "cpu", "--num-prompts", "4", *flags])
+        _, _, kwargs, _, items = _sweep_inputs(args)
+        return args, items, _sweep_config(args, kwargs, None)
+
+    args, items, config = inputs("--level", "hard")
+    assert args.max_tokens == HARD.max_new_tokens
+    assert config["level"] == "hard" and config["level_params"] == asdict(HARD)
+    for item in items:  # one sentence per number, plus the question
+        numbers = item.prompt.split("user\n")[1].split("<|im_end|>")[0].count(".")
+        assert HARD.min_operands <= numbers <= HARD.max_operands
+    args, easy_items, config = inputs()
+    assert args.max_tokens == EASY.max_new_tokens == 512 and config["level"] == "easy"
+    assert [i.prompt for i in easy_items] != [i.prompt for i in items]
+    args, _, _ = inputs("--level", "hard", "--max-tokens", "64")
+    assert args.max_tokens == 64
+
+
+def test_resume_refuses_another_level():
+    from thinkspec.bench.sweep import _level_config, _resumable_cells
+
+    strict = _cell("T=0 strict", "strict", [True, False], 10.0, 2.0)
+    base = {"dataset": "toy", "num_prompts": 2, "max_tokens": 512, "seed": 0, "speculative_config": {}}
+    before_levels = SweepResult(config=dict(base), cells=[strict])  # a file from before --level
+    assert list(_resumable_cells(before_levels, {**base, **_level_config("toy", "easy")})) == ["T=0 strict"]
+    with pytest.raises(ValueError, match="level"):
+        _resumable_cells(before_levels, {**base, **_level_config("toy", "hard")})
+    hard = SweepResult(config={**base, **_level_config("toy", "hard")}, cells=[strict])
+    edited = {**base, **_level_config("toy", "hard"), "level_params": {"max_operands": 99}}
+    with pytest.raises(ValueError, match="level_params"):  # the hard constants changed since
+        _resumable_cells(hard, edited)
+
+
+def test_calibration_on_a_level_the_target_gets_wrong_sometimes():
+    """Strict at 80%: relaxation can gain as well as lose problems, and a setting whose gains and
+    losses cancel still fails a 1-point budget when its paired CI is wide."""
+    n = 500
+    strict = [i % 5 != 0 for i in range(n)]  # 400 / 500
+    churn = list(strict)
+    for i in range(0, 100, 5):  # 20 gained ...
+        churn[i] = True
+    for i in range(1, 101, 5):  # ... and 20 lost: the same accuracy, many discordant pairs
+        churn[i] = False
+    gains = list(strict)
+    for i in range(0, 25, 5):  # 5 gained, none lost
+        gains[i] = True
+    losses = [ok and i >= 15 for i, ok in enumerate(strict)]  # 12 lost
+    result = SweepResult(config={"speculative_config": {"model": "draft", "num_speculative_tokens": 4,
+                                                        "reasoning_parser": "qwen3"}, "num_prompts": n})
+    result.cells = [
+        _cell("T=0 strict", "strict", strict, 1000.0, 3.0),
+        _cell("T=0 r=0.1 k=8", "relaxed", churn, 1600.0, 4.0, ratio=0.1, top_k=8),
+        _cell("T=0 r=0.3 k=8", "relaxed", gains, 1300.0, 3.6, ratio=0.3, top_k=8),
+        _cell("T=0 r=0.6 k=8", "relaxed", losses, 1700.0, 4.2, ratio=0.6, top_k=8),
+    ]  # fmt: skip
+    result.compare_all(num_resamples=4000)
+    rows = {r["name"]: r for r in result.rows()}
+    assert rows["T=0 strict"]["accuracy"] == 0.8
+    wide = rows["T=0 r=0.1 k=8"]
+    assert wide["vs_strict_diff"] == 0.0
+    assert wide["vs_strict_only_cell"] == 20 == wide["vs_strict_only_reference"]
+    assert wide["vs_strict_ci_low"] < -0.01 < 0.01 < wide["vs_strict_ci_high"]
+    assert rows["T=0 r=0.3 k=8"]["vs_strict_diff"] == pytest.approx(0.01)
+    assert rows["T=0 r=0.3 k=8"]["vs_strict_ci_low"] >= 0.0
+    assert rows["T=0 r=0.6 k=8"]["vs_strict_diff"] == pytest.approx(-12 / n)
+    cal = calibrate(result, 0.01, 0.0)
+    assert cal.chosen == "T=0 r=0.3 k=8"  # the fastest whose CI stays above -1 point
+    within = {c["name"]: c["within_budget"] for c in cal.candidates}
+    assert within == {
+        "T=0 strict": True, "T=0 r=0.1 k=8": False, "T=0 r=0.3 k=8": True, "T=0 r=0.6 k=8": False
+    }  # fmt: skip
+    assert calibrate(result, 0.05, 0.0).chosen == "T=0 r=0.6 k=8"  # a 5-point budget admits the losses

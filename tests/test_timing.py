@@ -115,3 +115,64 @@ def test_batch_size_flag_and_cell_names():
         with pytest.raises(ValueError, match="batch-sizes"):
             _batch_sizes(bad)
     assert cell_name(0.0, "strict") == "T=0 strict" and cell_name(0.6, "strict", 16) == "T=0.6 strict b=16"
+
+
+def test_compile_hook_counts_and_chains(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    from thinkspec.bench import warmth
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *a, **k: seen.append(k))
+    monkeypatch.setattr(warmth, "_hook_installed", False)
+    assert warmth.install_compile_hook()
+    before = warmth.compiled_kernels()
+    knobs.runtime.jit_post_compile_hook(key="x", repr="k")  # what Triton calls after each compile
+    assert warmth.compiled_kernels() == before + 1
+    assert seen == [{"key": "x", "repr": "k"}]  # the hook that was there still runs
+
+
+@pytest.mark.gpu
+def test_a_new_kernel_variant_is_counted_on_cuda():
+    torch = pytest.importorskip("torch")
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from thinkspec.bench.warmth import compiled_kernels
+
+    @triton.jit
+    def fill(out_ptr, value, BLOCK: tl.constexpr):
+        tl.store(out_ptr + tl.arange(0, BLOCK), value)
+
+    out = torch.empty(64, device="cuda")
+    before = compiled_kernels()
+    fill[(1,)](out, 1.0, BLOCK=32)
+    after_first = compiled_kernels()
+    fill[(1,)](out, 2.0, BLOCK=32)  # same variant: cached
+    fill[(1,)](out, 3.0, BLOCK=64)  # a new constexpr: a new variant
+    torch.cuda.synchronize()
+    assert after_first == before + 1
+    assert compiled_kernels() == before + 2
+
+
+def test_capture_graphs_covers_every_bucket_up_to_the_batch_at_every_width():
+    from types import SimpleNamespace
+
+    from thinkspec.bench.warmth import capture_graphs
+    from thinkspec.engine.cuda_graph import GraphSpec
+
+    class Cache:
+        def __init__(self) -> None:
+            self.spec = GraphSpec((1, 2, 5), (1, 2, 4, 8, 16, 24, 32), 64, 4)
+            self.graphs: dict = {}
+
+        def ensure_captured(self, key) -> None:
+            self.graphs[key] = object()
+
+    target, draft = SimpleNamespace(graphs=Cache()), SimpleNamespace(graphs=Cache())
+    speculator = SimpleNamespace(proposer=SimpleNamespace(runner=draft))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_runner=target, speculator=speculator))
+    assert capture_graphs(llm, 20) == 2 * 3 * 6  # buckets 1..24 (24 holds 20 rows) x 3 widths x 2 runners
+    assert set(target.graphs.graphs) == {(b, q) for b in (1, 2, 4, 8, 16, 24) for q in (1, 2, 5)}
+    assert capture_graphs(llm, 20) == 0  # all there already
+    plain = SimpleNamespace(model_runner=SimpleNamespace(graphs=None), speculator=None)
+    assert capture_graphs(SimpleNamespace(llm_engine=plain), 8) == 0

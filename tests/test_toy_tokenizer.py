@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from thinkspec.toy.task import generate_samples
+from thinkspec.toy.task import HARD_CANDIDATES, TRAIN_MIXES, generate_samples
 from thinkspec.toy.tokenizer import SPECIAL_TOKENS, build_task_tokenizer, build_tokenizer, save_tokenizer
 
 
@@ -99,3 +99,41 @@ def test_saved_tokenizer_loads_with_auto_and_chat_template(tok, samples, tmp_pat
 def test_bad_vocab_size_raises():
     with pytest.raises(ValueError, match="vocab_size"):
         build_tokenizer(["abc"], vocab_size=100)
+
+
+def test_easy_text_splits_as_the_bundled_tokenizer_does(tok):
+    # The tokenizer is now learnt on the training range too; easy text must still split into the same
+    # pieces (every word one token, every digit its own), whatever the ids.
+    from thinkspec.toy.assets import resolve_model_path
+
+    bundled = AutoTokenizer.from_pretrained(resolve_model_path("toy-reasoner"))
+    for s in generate_samples(100, seed=77):
+        ids = tok(s.text, add_special_tokens=False)["input_ids"]
+        old = bundled(s.text, add_special_tokens=False)["input_ids"]
+        assert tok.convert_ids_to_tokens(ids) == bundled.convert_ids_to_tokens(old)
+
+
+def test_hard_levels_are_tokenized_in_the_same_kind(tok):
+    # Column names past the thousands are words of their own, and digits stay single tokens.
+    assert tok.tokenize(" ten thousands column, hundred thousands") == [
+        "Ġten", "Ġthousands", "Ġcolumn", ",", "Ġhundred", "Ġthousands"
+    ]  # fmt: skip
+    for s in generate_samples(30, seed=6, level=HARD_CANDIDATES[-1]):
+        pieces = tok.tokenize(s.text)
+        assert all(sum(c.isdigit() for c in p) <= 1 for p in pieces)
+        assert tok.decode(tok(s.text, add_special_tokens=False)["input_ids"]) == s.text
+        enc = tok(s.completion, add_special_tokens=False, return_offsets_mapping=True)
+        starts = {a for a, _ in enc["offset_mapping"]}
+        assert all(off in starts for off, _ in s.forks)
+
+
+def test_level_budgets_fit_their_completions(tok):
+    # Every level's max_new_tokens holds its longest completion with room to spare, and prompt plus
+    # budget fits the retrained pair's 2,048 positions.
+    for level, _ in TRAIN_MIXES["range"]:
+        samples = generate_samples(150, seed=8, level=level)
+        prompts = tok([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
+        comps = tok([s.completion for s in samples], add_special_tokens=False)["input_ids"]
+        longest = max(len(c) for c in comps)
+        assert longest <= 0.95 * level.max_new_tokens, (level.label, longest)
+        assert max(len(p) for p in prompts) + level.max_new_tokens <= 2048, level.label

@@ -17,7 +17,7 @@ from thinkspec.toy.analyze import (
     speculative_generate,
     teacher_forced_acceptance,
 )
-from thinkspec.toy.task import chat_prompt, generate_samples
+from thinkspec.toy.task import TRAIN_MIXES, chat_prompt, generate_mixed_samples, generate_samples
 from thinkspec.toy.tokenizer import build_task_tokenizer, save_tokenizer
 from thinkspec.toy.train import IGNORE, ModelSize, TrainConfig, build_pool, lr_at, make_config, pack, run
 
@@ -79,6 +79,21 @@ def test_pack_keeps_samples_whole_and_masks_prompts(tok_dir):
         assert (y[r, i:i + n] == IGNORE).all() and y[r, i + n:i + len(ids)].tolist() == ids[n:]
     s = generate_samples(1, seed=1_000_003)[0]
     assert pool[0][0].tolist() == tok(s.text, add_special_tokens=False)["input_ids"]
+
+
+def test_range_mix_pool_and_positions(tok_dir):
+    tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    pool = build_pool(tok, 30, seed=2, mix="range")
+    first = generate_mixed_samples(1, seed=2 * 1_000_003, mix=TRAIN_MIXES["range"])[0]
+    assert pool[0][0].tolist() == tok(first.text, add_special_tokens=False)["input_ids"]
+    assert max(len(ids) for ids, _ in pool) > 512  # long problems are in the mix
+    x, y = pack(pool, 2048, pad_id=tok.pad_token_id, seed=0)
+    assert int((y != IGNORE).sum()) == sum(len(ids) - n for ids, n in pool)  # nothing dropped
+    assert make_config(TINY, tok, 2048).max_position_embeddings == 2048
+    with pytest.raises(ValueError, match="mix must be one of"):
+        TrainConfig(mix="medium")
+    with pytest.raises(ValueError, match=r"max_positions must be in \[seq_len=2048"):
+        TrainConfig(seq_len=2048, max_positions=1024)
 
 
 def test_lr_schedule():

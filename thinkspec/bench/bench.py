@@ -14,7 +14,7 @@ from typing import Any
 
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import CellResult
-from thinkspec.bench.warmth import build_counts, check_no_builds
+from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
 from thinkspec.llm import LLM
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
@@ -200,13 +200,15 @@ def _keep_repetition(first: CellResult | None, cell: CellResult, r: int) -> Cell
 
 def run_bench_command(args: Any) -> int:
     """`thinkspec bench`: one engine configuration on a dataset; a table on stdout, JSON on request."""
-    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.bench.datasets import default_max_tokens, load_dataset
     from thinkspec.bench.report import format_table, write_json
     from thinkspec.engine_args import engine_kwargs
 
     try:
+        if args.max_tokens is None:
+            args.max_tokens = default_max_tokens(args.dataset, args.level)
         sampling_params_for(1, args.temperature, args.max_tokens, args.sampling_seed)  # fail before loading
-        items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+        items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed, args.level)
         llm = LLM(**engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"thinkspec bench: error: {e}", file=sys.stderr)
@@ -224,6 +226,7 @@ def run_bench_command(args: Any) -> int:
             prompts, use_tqdm=False,
         )  # fmt: skip
 
+    capture_graphs(llm, len(items))
     run()  # warm-up at the timed batch and length
     (cell,) = run_round_robin([(llm, run)], args.repeats, use_tqdm=not args.no_progress)
     row = cell.summary()
@@ -233,7 +236,7 @@ def run_bench_command(args: Any) -> int:
     if args.output_json:
         write_json(
             {
-                "config": {"dataset": args.dataset, "model": args.model},
+                "config": {"dataset": args.dataset, "level": args.level, "model": args.model},
                 "summary": row,
                 "cell": cell.to_dict(),
             },

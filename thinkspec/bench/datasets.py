@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from thinkspec.toy.task import THINK_END, THINK_START, chat_prompt, generate_samples
+from thinkspec.toy.task import LEVELS, THINK_END, THINK_START, Level, chat_prompt, generate_samples
 from thinkspec.toy.task import grade as toy_grade
 
 _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
@@ -63,9 +63,10 @@ def match_answer(completion: str, answer: str) -> bool:
     return norm in {c.rstrip(".") for c in candidates}
 
 
-def toy_dataset(num_prompts: int, seed: int) -> list[BenchItem]:
+def toy_dataset(num_prompts: int, seed: int, level: Level | None = None) -> list[BenchItem]:
+    """`num_prompts` fresh toy problems of `level` (default easy), graded by their exact answer."""
     items = []
-    for s in generate_samples(num_prompts, seed=seed):
+    for s in generate_samples(num_prompts, seed=seed, level=level):
         p = s.problem
         items.append(
             BenchItem(
@@ -121,12 +122,28 @@ def reasoning_gym_dataset(name: str, num_prompts: int, seed: int) -> list[BenchI
     return [BenchItem(e["question"], str(e["answer"]), lambda t, e=e: grader(t, e), chat=True) for e in data]
 
 
-def load_dataset(spec: str, num_prompts: int, seed: int = 20261201) -> list[BenchItem]:
-    """'toy', 'rg:TASK' (reasoning-gym) or a path to a .jsonl file; `num_prompts` items at most."""
+def check_level(spec: str, level: str) -> Level:
+    """The toy task's level named `level`; ValueError for an unknown name or a dataset without levels."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
+    if spec != "toy" and level != "easy":
+        raise ValueError(f"--level applies to the toy dataset only, got --level {level} for {spec!r}")
+    return LEVELS[level]
+
+
+def default_max_tokens(spec: str, level: str) -> int:
+    """Generation budget when none is given: the toy level's (it fits every completion), else 512."""
+    return check_level(spec, level).max_new_tokens if spec == "toy" else 512
+
+
+def load_dataset(spec: str, num_prompts: int, seed: int = 20261201, level: str = "easy") -> list[BenchItem]:
+    """'toy' (at `level`: easy or hard), 'rg:TASK' (reasoning-gym) or a path to a .jsonl file;
+    `num_prompts` items at most."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    toy_level = check_level(spec, level)
     if spec == "toy":
-        return toy_dataset(num_prompts, seed)
+        return toy_dataset(num_prompts, seed, toy_level)
     if spec.startswith("rg:"):
         return reasoning_gym_dataset(spec[3:], num_prompts, seed)
     if Path(spec).is_file():

@@ -12,6 +12,10 @@ step and one verify forward of b x (k+1) tokens. Together they give the expected
   plain tok/s = b / plain_ms(b)
 
 Rows of one batch advance in lockstep, one round at a time, so a batch's rate is b times one row's.
+That is the steady state of a server that keeps b requests in flight. A batch of b requests started
+together ends more slowly: rows finish after different numbers of rounds, and the last rounds run
+with fewer rows at almost the same cost. `simulate_batch` projects that case (what a benchmark of b
+requests of equal length measures) by sampling rounds from the same profile.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,3 +120,43 @@ def project(profiles: Sequence[AcceptanceProfile], costs: Sequence[StepCosts]) -
                 }
             )
     return rows
+
+
+def round_ms_at(costs: Sequence[StepCosts], batch: float) -> float:
+    """Round time at any batch size: linear between the measured batch sizes, flat beyond them."""
+    pts = sorted((c.batch, c.round_ms) for c in costs)
+    return float(np.interp(batch, [b for b, _ in pts], [ms for _, ms in pts]))
+
+
+def conditional_rates(shares: Sequence[float]) -> np.ndarray:
+    """[k] probability that draft i is accepted given drafts 0..i-1 were: a_i / a_{i-1}."""
+    prev = np.concatenate([[1.0], np.asarray(shares[:-1], dtype=np.float64)])
+    cur = np.asarray(shares, dtype=np.float64)
+    return np.divide(cur, prev, out=np.zeros_like(cur), where=prev > 0)
+
+
+def simulate_batch(
+    profile: AcceptanceProfile,
+    costs: Sequence[StepCosts],
+    batch: int,
+    output_len: int,
+    thinking_tokens: int,
+    runs: int = 200,
+    seed: int = 0,
+) -> float:
+    """Expected decode tok/s of `batch` requests started together, each emitting output_len tokens:
+    the first from prefill (not counted), the rest in rounds. A row is thinking while it has emitted
+    fewer than thinking_tokens; each round costs round_ms_at(rows still running)."""
+    rng = np.random.default_rng(seed)
+    cond = np.stack([conditional_rates(profile.answer_rates), conditional_rates(profile.thinking_rates)])
+    k = cond.shape[1]
+    emitted = np.ones((runs, batch), dtype=np.int64)  # [runs, batch] output tokens so far
+    total_ms = np.zeros(runs)
+    while (running := emitted < output_len).any():
+        active = running.sum(axis=1)  # [runs]
+        total_ms += np.array([round_ms_at(costs, a) if a else 0.0 for a in active])
+        rates = cond[(emitted < thinking_tokens).astype(np.int64)]  # [runs, batch, k]
+        ok = rng.random((runs, batch, k)) < rates
+        accepted = np.cumprod(ok, axis=2).sum(axis=2)  # [runs, batch]
+        emitted = np.where(running, np.minimum(emitted + accepted + 1, output_len), emitted)
+    return float(np.mean(batch * (output_len - 1) / total_ms * 1e3))

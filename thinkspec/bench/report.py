@@ -149,10 +149,18 @@ def _short_paths(spec: dict[str, Any]) -> dict[str, Any]:
 
 def markdown_report(result: SweepResult, calibrations: list[Calibration], plot_name: str | None) -> str:
     cfg = result.config
+    level = ""
+    if cfg.get("level") and cfg.get("level_params"):
+        p = cfg["level_params"]
+        level = (
+            f" at level {cfg['level']} ({p['min_operands']}-{p['max_operands']} numbers, operands up to "
+            f"{p['max_operand']}, totals up to {p['max_value']})"
+        )
     lines = [
         "# Relaxed speculative decoding sweep",
         "",
-        f"Dataset `{cfg.get('dataset', '?')}`, {cfg.get('num_prompts', '?')} prompts per cell, max_tokens "
+        f"Dataset `{cfg.get('dataset', '?')}`{level}, {cfg.get('num_prompts', '?')} prompts per cell, "
+        f"max_tokens "
         f"{cfg.get('max_tokens', '?')}, temperatures {', '.join(f'{t:g}' for t in result.temperatures)}, "
         f"sampling seed {cfg.get('seed', '?')} (item i uses seed + i), device {cfg.get('device', '?')}.",
         "",

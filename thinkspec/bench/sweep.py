@@ -16,6 +16,7 @@ from typing import Any
 from thinkspec.bench.bench import format_prompts, run_cell, run_round_robin, sampling_params_for
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, SweepResult, cell_name
+from thinkspec.bench.warmth import capture_graphs
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.llm import LLM
 
@@ -153,8 +154,11 @@ def _resumable_cells(previous: SweepResult | None, config: dict[str, Any]) -> di
     """The finished cells of an earlier sweep by name; ValueError when it measured something else."""
     if previous is None:
         return {}
-    keys = ("dataset", "num_prompts", "max_tokens", "seed", "speculative_config")
-    mismatch = [k for k in keys if previous.config.get(k) != config.get(k)]
+    keys = ("dataset", "level", "level_params", "num_prompts", "max_tokens", "seed", "speculative_config")
+    # Files written before levels existed (and configs without them) measured the easy level.
+    earlier = {**_level_config(previous.config.get("dataset", ""), "easy"), **previous.config}
+    now = {**_level_config(config.get("dataset", ""), "easy"), **config}
+    mismatch = [k for k in keys if earlier.get(k) != now.get(k)]
     if mismatch:
         raise ValueError(f"cannot resume: the earlier sweep differs in {mismatch}")
     return {c.name: c for c in previous.cells}
@@ -191,6 +195,8 @@ def _run_plan(
             return lambda: _run_planned_cell(llm, items, texts, planned, max_tokens, seed, False)
 
         if warmup:  # every engine, temperature and acceptance mode at full batch and length, untimed
+            for llm in llms.values():
+                capture_graphs(llm, len(items))
             warm_groups = {(_engine_kind(p), p[1], p[0], p[3]): p for p in reversed(plan)}
             for planned in warm_groups.values():
                 runner(planned)()
@@ -313,6 +319,22 @@ def _calibration_batch(result: SweepResult) -> int | None:
     return None if None in caps else max(caps)
 
 
+def _extra_settings(text: str) -> list[RelaxSetting]:
+    """--extra-settings "0.1:8:0.2,0.3:3" -> cells beside the grid, each ratio:top_k[:delta]."""
+    out = []
+    for spec in (x.strip() for x in text.split(",") if x.strip()):
+        parts = spec.split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            ratio, top_k = float(parts[0]), int(parts[1])
+            delta = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            raise ValueError(f"--extra-settings takes ratio:top_k[:delta] items, got {spec!r}") from None
+        out.append(RelaxSetting(ratio, top_k, delta))
+    return out
+
+
 def _batch_sizes(text: str) -> list[int | None]:
     """--batch-sizes "1,16,all" -> [1, 16, None]; None = every request at once."""
     out: list[int | None] = []
@@ -407,7 +429,7 @@ def _sweep_inputs(
 ) -> tuple[list[RelaxSetting], list[float], dict[str, Any], dict[str, Any], list[BenchItem]]:
     """(grid, temperatures, engine kwargs, speculative config, items) from the sweep flags;
     ValueError for a bad flag, before any model loads."""
-    from thinkspec.bench.datasets import load_dataset
+    from thinkspec.bench.datasets import default_max_tokens, load_dataset
     from thinkspec.engine_args import engine_kwargs
     from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
 
@@ -415,7 +437,7 @@ def _sweep_inputs(
         _floats(args.relax_ratios, "--relax-ratios"),
         _ints(args.relax_top_ks, "--relax-top-ks"),
         _floats(args.relax_deltas, "--relax-deltas") or [None],
-    )
+    ) + _extra_settings(getattr(args, "extra_settings", ""))
     temperatures = _floats(args.temperatures, "--temperatures")
     if not temperatures:
         raise ValueError("--temperatures needs at least one value")
@@ -430,9 +452,11 @@ def _sweep_inputs(
             raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
         spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
     spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
+    if args.max_tokens is None:
+        args.max_tokens = default_max_tokens(args.dataset, args.level)
     for t in temperatures:
         sampling_params_for(1, t, args.max_tokens, args.sampling_seed)  # fail before loading
-    items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed)
+    items = load_dataset(args.dataset, args.num_prompts, args.dataset_seed, args.level)
     return settings, temperatures, kwargs, spec, items
 
 
@@ -443,6 +467,7 @@ def _sweep_config(args: Any, kwargs: dict[str, Any], previous: SweepResult | Non
 
     config: dict[str, Any] = {
         "dataset": args.dataset,
+        **_level_config(args.dataset, args.level),
         "model": kwargs["model"],
         "device": kwargs.get("device", "auto"),
         "dtype": kwargs.get("dtype", "auto"),
@@ -453,6 +478,18 @@ def _sweep_config(args: Any, kwargs: dict[str, Any], previous: SweepResult | Non
         commands.append("thinkspec " + shlex.join(sys.argv[1:]))
     config["commands"] = commands
     return config
+
+
+def _level_config(dataset: str, level: str) -> dict[str, Any]:
+    """What a sweep records about the toy level: its name and its parameters (a level's constants
+    can change between versions; a resumed sweep must not mix two)."""
+    if dataset != "toy":
+        return {"level": None, "level_params": None}
+    from dataclasses import asdict
+
+    from thinkspec.toy.task import LEVELS
+
+    return {"level": level, "level_params": asdict(LEVELS[level])}
 
 
 # HF transformers spells these dtypes by their long names.

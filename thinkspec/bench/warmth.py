@@ -16,22 +16,78 @@ KERNEL_MODULES = (
 )
 
 
+def _runners(llm: Any) -> list[Any]:
+    """The engine's model runners: the target's, and the draft model's when it has one."""
+    engine = llm.llm_engine
+    runners = [engine.model_runner]
+    proposer_runner = getattr(getattr(engine.speculator, "proposer", None), "runner", None)
+    if proposer_runner is not None:
+        runners.append(proposer_runner)
+    return runners
+
+
 def build_counts(llm: Any) -> dict[str, int]:
     """{"graphs": CUDA graphs captured by the engine's runners, "kernels": Triton kernels compiled in
     this process so far}."""
-    engine = llm.llm_engine
-    runners = [engine.model_runner]
-    spec = engine.speculator
-    proposer_runner = getattr(getattr(spec, "proposer", None), "runner", None)
-    if proposer_runner is not None:
-        runners.append(proposer_runner)
-    graphs = sum(len(r.graphs.graphs) for r in runners if getattr(r, "graphs", None) is not None)
+    graphs = sum(len(r.graphs.graphs) for r in _runners(llm) if getattr(r, "graphs", None) is not None)
     return {"graphs": graphs, "kernels": compiled_kernels()}
 
 
+def capture_graphs(llm: Any, max_batch: int) -> int:
+    """Capture every CUDA graph the runners may replay for up to max_batch sequences, at every query
+    width. A batch that ends unevenly (rows finishing after different numbers of rounds, as
+    speculation makes them) passes through buckets at random, so warming at the full batch alone
+    leaves some uncaptured. Returns the number of graphs captured (0 without CUDA graphs)."""
+    before = build_counts(llm)["graphs"]
+    for runner in _runners(llm):
+        cache = getattr(runner, "graphs", None)
+        if cache is None:
+            continue
+        spec = cache.spec
+        top = next((b for b in spec.batch_sizes if b >= max_batch), spec.batch_sizes[-1])
+        for q in spec.query_widths:
+            for b in (b for b in spec.batch_sizes if b <= top):
+                cache.ensure_captured((b, q))
+    return build_counts(llm)["graphs"] - before
+
+
+_compiles = 0  # Triton compilations seen by the hook below since it was installed
+_hook_installed = False
+
+
+def _count_compile(previous: Any) -> Any:
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        global _compiles
+        _compiles += 1
+        return previous(*args, **kwargs) if previous is not None else None
+
+    return hook
+
+
+def install_compile_hook() -> bool:
+    """Count every Triton JIT compilation in this process from now on (chaining any hook already
+    set); False when this Triton has no post-compile hook (the JIT caches are scanned instead)."""
+    global _hook_installed
+    if _hook_installed:
+        return True
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+    runtime.jit_post_compile_hook = _count_compile(runtime.jit_post_compile_hook)
+    _hook_installed = True
+    return True
+
+
 def compiled_kernels() -> int:
-    """Compiled variants held by the JIT caches of the kernel modules that are loaded (0 without
-    Triton, or before any kernel ran)."""
+    """Triton compilations counted by the post-compile hook (installed on first call, so only
+    differences between calls mean anything); without the hook, the compiled variants held by the
+    JIT caches of the kernel modules that are loaded."""
+    if install_compile_hook():
+        return _compiles
     total = 0
     for name in KERNEL_MODULES:
         module = sys.modules.get(name)

@@ -23,12 +23,25 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
         help="'toy' (the bundled task), a JSONL file with prompt and answer fields, or 'rg:TASK' "
         "(reasoning-gym, when installed) (default: %(default)s)",
     )
+    p.add_argument(
+        "--level",
+        choices=("easy", "hard"),
+        default="easy",
+        help="difficulty of the toy problems: easy (2-4 numbers, totals up to 4 digits) or hard (more "
+        "steps, larger numbers; see the toy reasoner's model card) (default: %(default)s)",
+    )
     p.add_argument("--num-prompts", type=int, default=100, help="(default: %(default)s)")
     p.add_argument("--dataset-seed", type=int, default=20261201, help="problem generator seed (toy, rg)")
     p.add_argument(
         "--sampling-seed", type=int, default=0, help="request i samples with seed SAMPLING_SEED + i"
     )
-    p.add_argument("--max-tokens", type=int, default=512, help="(default: %(default)s)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="output token budget per request (default: the toy level's, which fits every answer: "
+        "512 for easy; 512 for other datasets)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -168,6 +181,11 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sweep.add_argument("--relax-ratios", default="0.1,0.3,0.5", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--relax-top-ks", default="2,4", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--relax-deltas", default="", help="comma-separated; empty = relax_delta unset")
+    sweep.add_argument(
+        "--extra-settings", default="",
+        help="cells beside the ratio x top-k x delta grid: comma-separated ratio:top_k[:delta] "
+        "(e.g. 0.1:8:0.2)",
+    )  # fmt: skip
     sweep.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--output-dir", default="sweep-out")
     sweep.add_argument("--skip-no-spec", action="store_true", help="leave out the no-speculation baseline")

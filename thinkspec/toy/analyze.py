@@ -27,7 +27,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from thinkspec.toy.task import Problem, Sample, chat_prompt, generate_problem, generate_samples, grade
+from thinkspec.toy.task import (
+    LEVELS,
+    Level,
+    Problem,
+    Sample,
+    chat_prompt,
+    generate_problem,
+    generate_samples,
+    grade,
+)
 from thinkspec.toy.tokenizer import THINK_END, THINK_START
 
 
@@ -301,9 +310,9 @@ def _initial_phase(prompt: list[int], ids: TokenIds) -> bool:
     return False
 
 
-def fresh_problems(n: int, seed: int) -> list[Problem]:
+def fresh_problems(n: int, seed: int, level: Level | None = None) -> list[Problem]:
     rng = random.Random(seed)
-    return [generate_problem(rng) for _ in range(n)]
+    return [generate_problem(rng, level) for _ in range(n)]
 
 
 def load(path: str, device: torch.device) -> torch.nn.Module:
@@ -323,6 +332,7 @@ def analyze(
     time_budget_s: float | None = None,
     agreement_samples: int = 50,
     log=print,
+    level: str = "easy",
 ) -> dict:
     """All measurements for one target and one or more drafts; returns a JSON-able dict.
 
@@ -335,7 +345,7 @@ def analyze(
     relax = relax if relax is not None else [Relax(0.3, 3), Relax(0.3, 4)]
     tok = AutoTokenizer.from_pretrained(target_path)
     ids = TokenIds.from_tokenizer(tok)
-    problems = fresh_problems(n, seed)
+    problems = fresh_problems(n, seed, LEVELS[level])
     prompts = [tok(chat_prompt(p.question), add_special_tokens=False)["input_ids"] for p in problems]
     target = load(target_path, dev)
     t0 = time.time()
@@ -347,6 +357,7 @@ def analyze(
     result: dict = {
         "n_problems": n,
         "seed": seed,
+        "level": level,
         "k": k,
         "target": {
             "path": target_path,
@@ -363,7 +374,8 @@ def analyze(
         draft = load(dp, dev)
         t0 = time.time()
         st = teacher_forced_acceptance(draft, prompts, outs, ids, k=k, batch_size=batch_size)
-        agreement = fork_agreement(target, draft, tok, generate_samples(agreement_samples, seed + 1))
+        references = generate_samples(agreement_samples, seed + 1, LEVELS[level])
+        agreement = fork_agreement(target, draft, tok, references)
         n_params = sum(p.numel() for p in {id(p): p for p in draft.parameters()}.values())
         entry = {
             "path": dp,
@@ -454,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--time-budget-s", type=float, default=None)
+    ap.add_argument("--level", choices=sorted(LEVELS), default="easy", help="toy problem difficulty")
     a = ap.parse_args(argv)
     relax = None
     if a.relax:
@@ -469,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         device=a.device,
         batch_size=a.batch_size,
         time_budget_s=a.time_budget_s,
+        level=a.level,
     )
     if a.json:
         with open(a.json, "w") as f:

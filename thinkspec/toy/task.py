@@ -1,21 +1,28 @@
 """Synthetic reasoning task: multi-step arithmetic word problems with reasoning-model traces.
 
-A problem is a running total: a start value followed by 1-3 operations (+, -, x) applied in
-order. The thinking trace works each operation column by column. Every number in the trace is
-a function of the text before it; the wording around the numbers is drawn uniformly from
-several near-equivalent phrasings (synonyms, connectives, optional checks, operand order), so
-a model trained on it has high-entropy forks on words and near-certainty on digits.
+A problem is a running total: a start value followed by operations (+, -, x) applied in order.
+The thinking trace works each operation column by column. Every number in the trace is a
+function of the text before it; the wording around the numbers is drawn uniformly from several
+near-equivalent phrasings (synonyms, connectives, optional checks, operand order), so a model
+trained on it has high-entropy forks on words and near-certainty on digits.
+
+A `Level` says how many numbers a problem has and how large they get: `easy` (2-4 numbers,
+totals up to 4 digits) is the original task, `hard` has more steps and larger numbers. Training
+data mixes several boxes of that space (`TRAIN_MIXES`).
 """
 
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 OPS = ("+", "-", "x")
-MAX_VALUE = 9999  # every running total stays within four digits
-COLUMN_NAMES = ("ones", "tens", "hundreds", "thousands")
+MAX_VALUE = 9999  # the easy level's bound on every running total (four digits)
+COLUMN_NAMES = ("ones", "tens", "hundreds", "thousands", "ten thousands", "hundred thousands")
+MAX_FACTOR = 9  # x multiplies by one digit: the column trace writes one product per digit
+MAX_OPERANDS = 12
 
 NAMES = (
     ("Mia", "she"),
@@ -49,6 +56,72 @@ ITEMS = (
 CHAT_USER = "<|im_start|>user\n{content}<|im_end|>\n"
 CHAT_ASSISTANT_PROMPT = "<|im_start|>assistant\n"
 THINK_START, THINK_END, EOS = "<think>", "</think>", "<|im_end|>"
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """How many numbers a problem has and how large they get; a level is data, nothing else."""
+
+    min_operands: int  # numbers in the problem, the start value included
+    max_operands: int
+    max_operand: int  # the start value and every +/- operand are drawn from [10, max_operand]
+    max_value: int  # every running total stays in [1, max_value]
+    max_new_tokens: int  # a generation budget that fits every completion of the level
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_operands <= self.max_operands <= MAX_OPERANDS:
+            raise ValueError(
+                f"need 2 <= min_operands <= max_operands <= {MAX_OPERANDS}, got "
+                f"min_operands={self.min_operands}, max_operands={self.max_operands}"
+            )
+        top = 10 ** len(COLUMN_NAMES) - 1  # every column of a total needs a name in the trace
+        if not 999 <= self.max_value <= top:
+            raise ValueError(f"max_value must be in [999, {top}], got {self.max_value}")
+        if not 99 <= self.max_operand <= self.max_value:
+            raise ValueError(
+                f"max_operand must be in [99, max_value={self.max_value}], got {self.max_operand}"
+            )
+        if not 16 <= self.max_new_tokens <= 65536:
+            raise ValueError(f"max_new_tokens must be in [16, 65536], got {self.max_new_tokens}")
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. 'ops5-6 d4/5': operand count range, digits of operands / totals."""
+        digits = f"d{len(str(self.max_operand))}/{len(str(self.max_value))}"
+        return f"ops{self.min_operands}-{self.max_operands} {digits}"
+
+
+def _box(ops: tuple[int, int], digits: int, max_new_tokens: int) -> Level:
+    """Operand counts in `ops`, operands of up to `digits` digits, totals of up to digits + 1."""
+    return Level(ops[0], ops[1], 10**digits - 1, 10 ** (digits + 1) - 1, max_new_tokens)
+
+
+# The original task, unchanged (same generator output for the same seed).
+EASY = Level(min_operands=2, max_operands=4, max_operand=999, max_value=9999, max_new_tokens=512)
+# Candidates for HARD: more steps x larger numbers, each a box of the training range below.
+# max_new_tokens: the longest completion of 5,000 samples (task tokenizer) plus 10%, in 64s.
+HARD_CANDIDATES = (
+    _box((5, 6), 3, 832),
+    _box((5, 6), 4, 960),
+    _box((5, 6), 5, 1152),
+    _box((7, 8), 3, 1088),
+    _box((7, 8), 4, 1344),
+    _box((7, 8), 5, 1536),
+    _box((9, 10), 3, 1344),
+    _box((9, 10), 4, 1600),
+    _box((9, 10), 5, 1856),
+)
+# The candidate whose measured greedy accuracy of the bundled target is nearest 80%
+# (`python -m thinkspec.toy.difficulty`); it must stay one of HARD_CANDIDATES.
+HARD = Level(min_operands=9, max_operands=10, max_operand=99999, max_value=999999, max_new_tokens=1856)
+LEVELS = {"easy": EASY, "hard": HARD}
+# Training data: (level, weight) pairs, one level drawn per sample. "range" covers easy, short
+# problems with larger numbers and every hard candidate; easy weighs 4, a quarter of the samples.
+TRAIN_MIXES: dict[str, tuple[tuple[Level, float], ...]] = {
+    "easy": ((EASY, 1.0),),
+    "range": ((EASY, 4.0), (_box((2, 4), 4, 640), 1.0), (_box((2, 4), 5, 768), 1.0))
+    + tuple((lv, 1.0) for lv in HARD_CANDIDATES),
+}
 
 
 @dataclass(slots=True)
@@ -109,32 +182,29 @@ def apply_op(a: int, op: str, b: int) -> int:
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
-def generate_problem(rng: random.Random, min_operands: int = 2, max_operands: int = 4) -> Problem:
-    """Draw a problem whose running total stays in [1, MAX_VALUE]; +/- operands have 2-3 digits."""
-    if not 2 <= min_operands <= max_operands <= 4:
-        raise ValueError(
-            f"need 2 <= min_operands <= max_operands <= 4, got min_operands={min_operands}, "
-            f"max_operands={max_operands}"
-        )
-    n_ops = rng.randint(min_operands, max_operands) - 1
-    start = rng.randint(10, 999)
+def generate_problem(rng: random.Random, level: Level | None = None) -> Problem:
+    """Draw a problem of `level` (default easy): the start value and every +/- operand in
+    [10, max_operand], x by a factor 2-9 of a total at most max_operand, totals in [1, max_value]."""
+    lv = level or EASY
+    n_ops = rng.randint(lv.min_operands, lv.max_operands) - 1
+    start = rng.randint(10, lv.max_operand)
     ops: list[tuple[str, int]] = []
     v = start
     for _ in range(n_ops):
         allowed = []
-        if v + 10 <= MAX_VALUE:
+        if v + 10 <= lv.max_value:
             allowed.append("+")
         if v >= 20:
             allowed.append("-")
-        if v <= 999 and v * 2 <= MAX_VALUE:
+        if v <= lv.max_operand and v * 2 <= lv.max_value:
             allowed.append("x")
         op = rng.choice(allowed)
         if op == "+":
-            b = rng.randint(10, min(999, MAX_VALUE - v))
+            b = rng.randint(10, min(lv.max_operand, lv.max_value - v))
         elif op == "-":
-            b = rng.randint(10, min(999, v - 1))
+            b = rng.randint(10, min(lv.max_operand, v - 1))
         else:
-            b = rng.randint(2, min(9, MAX_VALUE // v))
+            b = rng.randint(2, min(MAX_FACTOR, lv.max_value // v))
         ops.append((op, b))
         v = apply_op(v, op, b)
     name, pronoun = rng.choice(NAMES)
@@ -386,15 +456,29 @@ def render_sample(p: Problem, rng: random.Random, fork_bias: float = 0.0) -> Sam
     return Sample(problem=p, prompt=prompt, thinking=w.text(), answer_text=answer, forks=w.forks)
 
 
-def generate_samples(
-    n: int, seed: int, min_operands: int = 2, max_operands: int = 4, fork_bias: float = 0.0
+def generate_samples(n: int, seed: int, level: Level | None = None, fork_bias: float = 0.0) -> list[Sample]:
+    """`n` samples of `level` (default easy) from one seeded stream (problem and wording share the RNG)."""
+    return generate_mixed_samples(n, seed, ((level or EASY, 1.0),), fork_bias)
+
+
+def generate_mixed_samples(
+    n: int, seed: int, mix: Sequence[tuple[Level, float]], fork_bias: float = 0.0
 ) -> list[Sample]:
-    """`n` samples from one seeded stream (problem and wording drawn from the same RNG)."""
+    """`n` samples, each of a level drawn from `mix` ((level, weight) pairs) in one seeded stream.
+
+    A one-level mix draws nothing for the level, so it is exactly that level's stream.
+    """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if not mix or any(w <= 0 for _, w in mix):
+        raise ValueError(f"mix needs at least one (level, weight) pair with weight > 0, got {mix!r}")
     rng = random.Random(seed)
-    problems = (generate_problem(rng, min_operands, max_operands) for _ in range(n))
-    return [render_sample(p, rng, fork_bias) for p in problems]
+    levels, weights = [lv for lv, _ in mix], [w for _, w in mix]
+    out = []
+    for _ in range(n):
+        lv = levels[0] if len(levels) == 1 else rng.choices(levels, weights)[0]
+        out.append(render_sample(generate_problem(rng, lv), rng, fork_bias))
+    return out
 
 
 _ANSWER_RE = re.compile(r"\*\*Answer:\*\*\s*(-?\d+)")

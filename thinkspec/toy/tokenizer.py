@@ -97,12 +97,15 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE)
 
 
 def build_task_tokenizer(
-    n_samples: int = 4000, seed: int = 1234, vocab_size: int = DEFAULT_VOCAB_SIZE
+    n_samples: int = 4000, seed: int = 1234, vocab_size: int = DEFAULT_VOCAB_SIZE, n_range_samples: int = 1000
 ) -> PreTrainedTokenizerFast:
-    """The toy reasoner's tokenizer, learnt on `n_samples` task samples from `seed`."""
-    from thinkspec.toy.task import generate_samples
+    """The toy reasoner's tokenizer, learnt on `n_samples` easy task samples from `seed` plus
+    `n_range_samples` from the training range (seed + 1), so the words of the harder levels (column
+    names past the thousands) are single tokens too."""
+    from thinkspec.toy.task import TRAIN_MIXES, generate_mixed_samples, generate_samples
 
     texts = [s.text for s in generate_samples(n_samples, seed)]
+    texts += [s.text for s in generate_mixed_samples(n_range_samples, seed + 1, TRAIN_MIXES["range"])]
     return build_tokenizer(texts, vocab_size)
 
 

@@ -26,7 +26,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from thinkspec.toy.task import generate_samples
+from thinkspec.toy.task import TRAIN_MIXES, generate_mixed_samples
 from thinkspec.toy.tokenizer import ENDOFTEXT, IM_END, build_task_tokenizer
 
 IGNORE = -100
@@ -67,6 +67,8 @@ class TrainConfig:
     time_budget_s: float | None = None  # shrink `steps` to fit this wall time (measured early on)
     log_every: int = 100
     fork_bias: float = 0.0  # extra probability of each fork's first phrasing (see toy.task._Writer)
+    mix: str = "easy"  # which TRAIN_MIXES entry the samples are drawn from
+    max_positions: int = 1024  # the model's max_position_embeddings; rows must fit in it
 
     def __post_init__(self) -> None:
         checks = {
@@ -88,6 +90,12 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 or None, got {self.time_budget_s}")
+        if self.mix not in TRAIN_MIXES:
+            raise ValueError(f"mix must be one of {sorted(TRAIN_MIXES)}, got {self.mix!r}")
+        if not self.seq_len <= self.max_positions <= 65536:
+            raise ValueError(
+                f"max_positions must be in [seq_len={self.seq_len}, 65536], got {self.max_positions}"
+            )
 
 
 def make_config(
@@ -115,22 +123,30 @@ def make_config(
     )
 
 
-def _encode_chunk(args: tuple[int, int, str, float]) -> list[tuple[np.ndarray, int]]:
-    n, seed, tokenizer_json, fork_bias = args
+def _encode_chunk(args: tuple[int, int, str, float, str]) -> list[tuple[np.ndarray, int]]:
+    n, seed, tokenizer_json, fork_bias, mix = args
     tok = Tokenizer.from_str(tokenizer_json)
-    samples = generate_samples(n, seed, fork_bias=fork_bias)
+    samples = generate_mixed_samples(n, seed, TRAIN_MIXES[mix], fork_bias=fork_bias)
     prompts = tok.encode_batch([s.prompt for s in samples], add_special_tokens=False)
     comps = tok.encode_batch([s.completion for s in samples], add_special_tokens=False)
     return [(np.asarray(p.ids + c.ids, dtype=np.int32), len(p.ids)) for p, c in zip(prompts, comps)]
 
 
 def build_pool(
-    tokenizer: PreTrainedTokenizerFast, n: int, seed: int, workers: int = 1, fork_bias: float = 0.0
+    tokenizer: PreTrainedTokenizerFast,
+    n: int,
+    seed: int,
+    workers: int = 1,
+    fork_bias: float = 0.0,
+    mix: str = "easy",
 ) -> list[tuple[np.ndarray, int]]:
-    """`n` tokenized samples as (ids [L] int32, prompt length); chunks are seeded from `seed`."""
+    """`n` tokenized samples of TRAIN_MIXES[mix] as (ids [L] int32, prompt length); chunks are
+    seeded from `seed`."""
     chunk = 2000
     tj = tokenizer.backend_tokenizer.to_str()
-    jobs = [(min(chunk, n - i), seed * 1_000_003 + i // chunk, tj, fork_bias) for i in range(0, n, chunk)]
+    jobs = [
+        (min(chunk, n - i), seed * 1_000_003 + i // chunk, tj, fork_bias, mix) for i in range(0, n, chunk)
+    ]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
             parts = list(ex.map(_encode_chunk, jobs))
@@ -308,14 +324,17 @@ def run(
         tokenizer = build_task_tokenizer()
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    pool = build_pool(tokenizer, cfg.samples, cfg.seed, workers=workers, fork_bias=cfg.fork_bias)
+    pool = build_pool(tokenizer, cfg.samples, cfg.seed, workers=workers, fork_bias=cfg.fork_bias, mix=cfg.mix)
     input_ids, labels = pack(pool, cfg.seq_len, tokenizer.convert_tokens_to_ids(ENDOFTEXT), cfg.seed)
     data_s = time.time() - t0
+    kept = int((labels != IGNORE).sum())
+    dropped = sum(len(ids) > cfg.seq_len for ids, _ in pool)
     print(
-        f"{role}: {len(pool)} samples -> {input_ids.shape[0]} rows of {cfg.seq_len} in {data_s:.1f}s",
+        f"{role}: {len(pool)} samples ({dropped} longer than a row, dropped) -> {input_ids.shape[0]} rows "
+        f"of {cfg.seq_len}, {kept / 1e6:.1f}M completion tokens, in {data_s:.1f}s",
         flush=True,
     )
-    model = Qwen3ForCausalLM(make_config(size, tokenizer))
+    model = Qwen3ForCausalLM(make_config(size, tokenizer, cfg.max_positions))
     n_params = count_params(model)
     print(f"{role}: {n_params / 1e6:.2f}M parameters {asdict(size)}", flush=True)
     summary = train_model(model, input_ids, labels, cfg, dev)
@@ -326,6 +345,7 @@ def run(
         "train": asdict(cfg),
         "data_seconds": round(data_s, 1),
         "rows": int(input_ids.shape[0]),
+        "dropped_samples": dropped,
         **summary,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
     }
@@ -342,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=None, help="override the preset")
     defaults = TrainConfig()
     for f in TrainConfig.__dataclass_fields__:
+        if f == "mix":
+            ap.add_argument("--mix", choices=sorted(TRAIN_MIXES), default=defaults.mix, help="training data")
+            continue
         typ = float if f in ("lr", "min_lr_ratio", "weight_decay", "time_budget_s", "fork_bias") else int
         ap.add_argument("--" + f.replace("_", "-"), type=typ, default=getattr(defaults, f))
     ap.add_argument("--device", default=None)
