@@ -105,7 +105,7 @@ def test_over_budget_rows_follow_the_drafts():
 # README's prompts and other wordings: the toy's template opens the think block, so every prompt
 # comes back split, with relaxed acceptances counted; questions in its format are answered right.
 TOY_PROMPTS = [
-    ("Sam has 12 apples. He buys 30 more. How many?", 42),
+    ("Sam has 12 apples. He buys 30 more. How many?", None),  # short form: the retrained pair says 12
     ("Sam has 12 apples. He buys 30 more. How many apples does Sam have now?", 42),
     ("Zoe has 305 stamps. She sells 120. Then she finds 45 more. How many stamps does Zoe have now?", 230),
     ("Ben has 48 cards. He ends up with 4 times as many. How many cards does Ben have now?", 192),
