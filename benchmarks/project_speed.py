@@ -4,7 +4,8 @@
       --costs spec_round.json [--out projection.json] [--plot projection.png]
 
 --costs is the JSON of benchmarks/bench_spec_round.py (e.g. --batch-sizes 1,4,16,64,128 at the
-Qwen3-8B / Qwen3-0.6B shapes); its k must be the sweep's.
+Qwen3-8B / Qwen3-0.6B shapes) or of benchmarks/validate_projection.py (the step costs it measured);
+its k must be the sweep's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from thinkspec.bench.projection import costs_from_spec_round, profiles_from_swee
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", required=True, help="sweep.json of `thinkspec sweep`")
-    p.add_argument("--costs", required=True, help="JSON of benchmarks/bench_spec_round.py")
+    p.add_argument("--costs", required=True, help="JSON of benchmarks/bench_spec_round.py or benchmarks/validate_projection.py")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="PNG of projected tok/s against batch size")
     args = p.parse_args()

@@ -62,7 +62,16 @@ class AcceptanceProfile:
 
 def costs_from_spec_round(data: Mapping[str, Any]) -> list[StepCosts]:
     """StepCosts per batch from benchmarks/bench_spec_round.py's JSON (rows of batch, k, draft_step_ms,
-    verify_ms, decode_ms)."""
+    verify_ms, decode_ms), or from benchmarks/validate_projection.py's (k, and costs of batch,
+    plain_ms, draft_ms, verify_ms, measured in the same run as the engine it checked)."""
+    if "costs" in data:
+        return [
+            StepCosts(
+                batch=int(c["batch"]), k=int(data["k"]), plain_ms=float(c["plain_ms"]),
+                draft_ms=float(c["draft_ms"]), verify_ms=float(c["verify_ms"]),
+            )  # fmt: skip
+            for c in data["costs"]
+        ]
     rows = data["rows"]
     if not rows:
         raise ValueError("the cost table has no rows")
