@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength
 from thinkspec.spec_decode.proposer import Proposal
 
 K = 4
@@ -98,13 +99,37 @@ SPEC_CONFIGS = {
 }
 
 
+# How a speculating engine picks each step's draft length: always k ("fixed", adaptive_k off), the
+# adaptive chooser, or forced to vary per step and per phase group (0 = plain rows and steps), so that
+# one verify batch mixes windows of different lengths.
+POLICIES = ("fixed", "adaptive", "forced")
+
+
+def _varying_k(step: int, counts: np.ndarray) -> np.ndarray:
+    return np.array([(step + 2 * g) % (K + 1) for g in range(len(GROUPS))])
+
+
+def _with_policy(cfg: dict, policy: str) -> dict:
+    return {**cfg, "adaptive_k": policy != "fixed"}
+
+
+def _apply_policy(llm: LLM, policy: str) -> None:
+    """Install the forced chooser (the engine was built with adaptive_k for it)."""
+    spec = llm.llm_engine.speculator
+    if policy == "forced":
+        spec.draft_length = ForcedDraftLength(spec.k, _varying_k)
+    assert isinstance(spec.draft_length, {"fixed": type(None), "adaptive": AdaptiveDraftLength,
+                                          "forced": ForcedDraftLength}[policy])  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
-def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
+def test_lossless_greedy_matches_plain_decoding(name, policy, eos_target, draft):
     prompts, params = _mixed_batch()
     kv = 9 * 2 * (2 * 2 * 16 * 2 * 32 * 4)  # 9 blocks of target + draft: forces preemption
     plain = LLM(eos_target, device="cpu", kv_cache_memory=kv // 2, max_num_batched_tokens=24)
     expected = plain.generate(prompts, params, use_tqdm=False)
-    cfg = dict(SPEC_CONFIGS[name])
+    cfg = _with_policy(SPEC_CONFIGS[name], policy)
     if cfg.get("method") != "ngram":
         cfg["model"] = str(draft)
     else:
@@ -112,6 +137,7 @@ def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
     spec = LLM(
         eos_target, device="cpu", kv_cache_memory=kv, max_num_batched_tokens=24, speculative_config=cfg
     )
+    _apply_policy(spec, policy)
     got = spec.generate(prompts, params, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
@@ -124,6 +150,13 @@ def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
     assert metrics.total.num_accepted_tokens > 0
     assert metrics.total.num_relaxed_accepted_tokens == 0
     assert all(o.metrics.spec_decode is not None for o in got if len(o.outputs[0].token_ids) > 1)
+    hist = [metrics.phase(p).draft_length_histogram for p in ("thinking", "answer")]
+    if policy == "forced":  # plain rows and every draft length up to K were chosen
+        assert all(sum(h[k] for h in hist if k < len(h)) > 0 for k in range(min(K, 3) + 1))
+        if name.startswith("draft_relaxed"):  # both phase groups present
+            assert sum(hist[0]) > 0 and sum(hist[1]) > 0
+    elif policy == "fixed":
+        assert hist == [[], []]
     _assert_blocks_free(spec)
 
 

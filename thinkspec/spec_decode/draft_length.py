@@ -1,0 +1,173 @@
+"""Adaptive draft length: how many tokens each group of rows drafts in the next speculative step.
+
+Rows are grouped by phase and acceptance mode (GROUPS): answer rows (always strict), thinking rows
+verified strictly, thinking rows verified with the relaxed test. For every group and draft
+position i the chooser keeps c[g, i], an exponential moving average of the probability that draft
+i is accepted given drafts 0..i-1 were. A row of group g that drafts k tokens then emits, expected,
+
+  E_g(k) = 1 + sum_{i<k} prod_{j<=i} c[g, j]      tokens (the accepted drafts plus the bonus/correction)
+
+and a step where group g (n_g rows) drafts k_g costs StepCostModel's device time plus its learned
+host overhead (step_costs.py). `AdaptiveDraftLength.choose` takes the k per group, 0..K each, that
+maximises sum_g n_g E_g(k_g) / cost over the whole (K+1)^G grid (G <= 3 groups present); all
+zeros is the engine's plain decode step.
+
+Estimates of positions a group does not draft are not updated, so a pessimistic one could never
+recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
+than its best k, which measures the next position.
+
+`ForcedDraftLength` replaces the choice by a function of the step (tests, benchmarks: a fixed k, or
+k varying per step and group to exercise mixed windows).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from thinkspec.spec_decode.step_costs import PLAIN, SPEC, StepCostModel
+
+GROUPS = ("answer", "thinking", "thinking_relaxed")
+ANSWER, THINKING, THINKING_RELAXED = range(3)
+PRIOR_RATE = 0.7  # c[g, i] before anything is observed: optimistic enough to try speculation
+RATE_ALPHA = 0.02  # weight of one observed draft in the EMA of its position's acceptance
+PROBE_PERIOD = 32
+
+
+def group_of(thinking: bool, relaxed: bool) -> int:
+    """GROUPS index of a row: relaxation only applies while thinking."""
+    return (THINKING_RELAXED if relaxed else THINKING) if thinking else ANSWER
+
+
+def expected_tokens(rates: np.ndarray) -> np.ndarray:
+    """[G, K+1] E_g(k) for k = 0..K from conditional acceptance rates [G, K]."""
+    reach = np.cumprod(rates, axis=1)  # [G, K] P(drafts 0..i all accepted)
+    return 1.0 + np.concatenate([np.zeros((rates.shape[0], 1)), np.cumsum(reach, axis=1)], axis=1)
+
+
+class AcceptanceEstimates:
+    """c[g, i] for every group and draft position (see the module docstring)."""
+
+    def __init__(self, k_max: int, prior: float = PRIOR_RATE, alpha: float = RATE_ALPHA) -> None:
+        self.rates = np.full((len(GROUPS), k_max), prior)  # [G, K]
+        self.alpha = alpha
+
+    def observe(
+        self,
+        groups: np.ndarray,  # [S] int, GROUPS index of each row
+        num_drafts: np.ndarray,  # [S] int, drafts each row proposed
+        num_accepted: np.ndarray,  # [S] int, of which accepted
+    ) -> None:
+        """Position i of a row was tried when i < num_drafts and i <= num_accepted (drafts before it
+        were accepted), and accepted when i < num_accepted. t tries weigh as t EMA steps."""
+        k = self.rates.shape[1]
+        pos = np.arange(k)
+        tried = (pos[None, :] < num_drafts[:, None]) & (pos[None, :] <= num_accepted[:, None])  # [S, K]
+        accepted = pos[None, :] < num_accepted[:, None]  # [S, K]
+        for g in np.unique(groups):
+            rows = groups == g
+            t = tried[rows].sum(axis=0)  # [K]
+            a = (accepted[rows] & tried[rows]).sum(axis=0)  # [K]
+            weight = 1.0 - (1.0 - self.alpha) ** t
+            seen = t > 0
+            self.rates[g, seen] += weight[seen] * (a[seen] / t[seen] - self.rates[g, seen])
+
+
+class AdaptiveDraftLength:
+    """Chooses k per group before each step, learns from what the step accepted and cost."""
+
+    def __init__(self, k_max: int, costs: StepCostModel) -> None:
+        self.k_max = k_max
+        self.costs = costs
+        self.estimates = AcceptanceEstimates(k_max)
+        self.num_choices = 0
+
+    def choose(self, counts: np.ndarray) -> np.ndarray:
+        """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        present = np.flatnonzero(counts)
+        ks = np.zeros(len(GROUPS), dtype=np.int64)
+        if present.size == 0:
+            return ks
+        self.costs.ensure(int(counts.sum()))
+        grid, gain, cost = self.evaluate(counts)
+        best = grid[:, int(np.argmax(gain / cost))]
+        ks[present] = best
+        self.num_choices += 1
+        if self.num_choices % PROBE_PERIOD == 0:
+            g = present[(self.num_choices // PROBE_PERIOD) % present.size]
+            ks[g] = min(self.k_max, ks[g] + 1)
+        return ks
+
+    def evaluate(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
+        [N], modelled ms [N]) for the N = (K+1)^P choices."""
+        present = np.flatnonzero(counts)
+        n = counts[present].astype(np.float64)  # [P]
+        batch = int(counts.sum())
+        k1 = self.k_max + 1
+        grid = np.array(list(itertools.product(range(k1), repeat=present.size)), dtype=np.int64).T  # [P, N]
+        table = expected_tokens(self.estimates.rates[present])  # [P, K+1]
+        gain = (n[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
+        kmax = grid.max(axis=0)  # [N]
+        cost = self.costs.round_ms(batch)[kmax]  # [N]: draft forwards over every row, verify at kmax+1
+        if self.k_max > 1:
+            j = np.arange(1, self.k_max)  # draft forwards 2..K run only the rows still drafting
+            rows = (n[:, None, None] * (grid[:, :, None] > j[None, None, :])).sum(axis=0)  # [N, K-1]
+            fix = np.where(rows > 0, self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch)), 0.0)
+            cost = cost + np.where(j[None, :] < kmax[:, None], fix, 0.0).sum(axis=1)
+        overhead = self.costs.overhead_ms(batch)
+        cost = cost + np.where(kmax > 0, overhead[SPEC], overhead[PLAIN])
+        return grid, gain, np.maximum(cost, 1e-6)
+
+    def modelled_ms(self, row_ks: np.ndarray) -> float:
+        """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out)."""
+        batch = len(row_ks)
+        if batch == 0:
+            return 0.0
+        kmax = int(row_ks.max())
+        ms = float(self.costs.round_ms(batch)[kmax])
+        rows = np.array([(row_ks > j).sum() for j in range(1, kmax)])
+        if rows.size:
+            ms += float((self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch))).sum())
+        return ms
+
+    def observe(
+        self,
+        groups: np.ndarray,  # [S] int, GROUPS index of each speculating row
+        num_drafts: np.ndarray,  # [S] int
+        num_accepted: np.ndarray,  # [S] int
+        row_ks: np.ndarray,  # [R] int, k of every decode row the step chose for (0 = plain)
+        wall_ms: float | None,  # the step's wall time; None when other work rode along (prefills)
+    ) -> None:
+        """Learn from one step: acceptance of its windows, and its wall time against the model."""
+        if len(groups):
+            self.estimates.observe(groups, num_drafts, num_accepted)
+        if wall_ms is not None and len(row_ks):
+            kind = SPEC if row_ks.max() > 0 else PLAIN
+            self.costs.observe(len(row_ks), kind, wall_ms, self.modelled_ms(row_ks))
+
+
+class ForcedDraftLength:
+    """k per group from a function of (step number, counts [G]) -> [G] ks; learns nothing."""
+
+    def __init__(self, k_max: int, pick: Callable[[int, np.ndarray], np.ndarray]) -> None:
+        self.k_max = k_max
+        self.pick = pick
+        self.num_choices = 0
+
+    @classmethod
+    def fixed(cls, k_max: int, k: int) -> ForcedDraftLength:
+        """Every group drafts k (0 = plain decode steps)."""
+        return cls(k_max, lambda step, counts: np.full(len(GROUPS), k))
+
+    def choose(self, counts: np.ndarray) -> np.ndarray:
+        ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
+        ks = np.clip(ks, 0, self.k_max)
+        self.num_choices += 1
+        return ks
+
+    def observe(self, *args: object, **kwargs: object) -> None:
+        pass
