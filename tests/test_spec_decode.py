@@ -205,9 +205,16 @@ PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 0.7, "frequency_pena
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method, penalties", [("draft", None), ("ngram", None), ("draft", PENALTIES), ("ngram", PENALTIES)]
+    "method, penalties, policy",
+    [
+        ("draft", None, "fixed"),
+        ("ngram", None, "fixed"),
+        ("draft", PENALTIES, "fixed"),
+        ("ngram", PENALTIES, "fixed"),
+        ("draft", None, "forced"),  # k varying per step, plain steps included
+    ],
 )
-def test_seeded_sampling_keeps_target_distribution(method, penalties, target, draft):
+def test_seeded_sampling_keeps_target_distribution(method, penalties, policy, target, draft):
     # Most tokens occur in the prompt, so the n-gram proposer finds a continuation for most x1.
     prompt = [72, 105, 33, *range(34, 250), 72, 105]
     expected = _exact_second_token_distribution(target, prompt, penalties)
@@ -216,7 +223,9 @@ def test_seeded_sampling_keeps_target_distribution(method, penalties, target, dr
         if method == "draft"
         else {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     )
+    cfg = _with_policy(cfg, policy)
     llm = LLM(target, device="cpu", max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=cfg)
+    _apply_policy(llm, policy)
     n = 3000
     params = [
         SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i, **(penalties or {}))
@@ -234,6 +243,10 @@ def test_seeded_sampling_keeps_target_distribution(method, penalties, target, dr
     exp = np.append(expected[common], expected[~common].sum()) * n
     p_value = chisquare(obs, exp).pvalue
     assert p_value > 1e-3, p_value
+    if policy != "fixed":
+        # A seeded token depends on the window it was verified in (as it depends on k with a fixed
+        # k): with k chosen per step, a rerun need not draw the same sample.
+        return
     # Same seeds, same outputs: the run is reproducible request by request.
     again = llm.generate([prompt] * 8, params[:8], use_tqdm=False)
     assert _tokens(again) == _tokens(outs[:8])
@@ -301,6 +314,60 @@ def test_answer_after_relaxed_thinking_equals_strict_continuation(target, draft)
         assert cont.outputs[0].token_ids == ids[cut:]
         checked += 1
     assert checked >= 2
+
+
+def _relaxed_llm(target: Path, draft: Path, policy: str) -> LLM:
+    cfg = {"model": str(draft), "num_speculative_tokens": K, "reasoning_parser": "qwen3", **RELAXED}
+    llm = LLM(target, device="cpu", speculative_config=_with_policy(cfg, policy))
+    _apply_policy(llm, policy)
+    return llm
+
+
+def test_adaptive_relaxed_with_k_forced_to_K_equals_fixed_k(target, draft):
+    """The adaptive machinery (groups, narrowed windows, every graph width) leaves relaxed
+    acceptance as it is: forced to draft K every step, it is the fixed-k run token for token."""
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(4)] + [[70, 71, THINK_ID, 10, END_THINK_ID, 10]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    fixed = _relaxed_llm(target, draft, "fixed")
+    forced = _relaxed_llm(target, draft, "adaptive")
+    forced.llm_engine.speculator.draft_length = ForcedDraftLength.fixed(K, K)
+    want = fixed.generate(prompts, sp, use_tqdm=False)
+    got = forced.generate(prompts, sp, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    f, a = fixed.last_spec_metrics, forced.last_spec_metrics
+    assert a.total.num_relaxed_accepted_tokens == f.total.num_relaxed_accepted_tokens > 0
+    assert a.phase("thinking").num_accepted_tokens_per_pos == f.phase("thinking").num_accepted_tokens_per_pos
+    assert a.phase("thinking").draft_length_histogram[K] > 0
+
+
+def test_relaxed_with_varying_k_follows_the_acceptance_rule(target, draft):
+    """With k varying per step and group, every emitted token is one the acceptance contract allows
+    at its prefix: the target's argmax g, or (thinking before it, not a marker) the draft's greedy
+    token d passing the relaxed test exp(l[d] - l[g]) >= ratio and rank(d) < top_k. Answer tokens
+    are all g."""
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(4)] + [[70, 71, THINK_ID, 10, END_THINK_ID, 10]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = _relaxed_llm(target, draft, "forced")
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    relaxed_tokens = 0
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + out.outputs[0].token_ids
+        lt, ld = hf_logits(target, ids), hf_logits(draft, ids)
+        thinking = prompt[-1] == THINK_ID
+        for p in range(len(prompt), len(ids)):
+            t, row = ids[p], lt[p - 1]
+            g = int(row.argmax())
+            if t != g:
+                rank = int((row > row[t]).sum())
+                assert thinking and t not in (THINK_ID, END_THINK_ID), (p, t, g)
+                assert t == int(ld[p - 1].argmax()) and rank < RELAXED["relax_top_k"], (p, t, g)
+                assert float(torch.exp(row[t] - row[g])) >= RELAXED["relax_ratio"]
+                relaxed_tokens += 1
+            thinking = thinking if t not in (THINK_ID, END_THINK_ID) else t == THINK_ID
+    m = llm.last_spec_metrics
+    assert relaxed_tokens > 0 and m.total.num_relaxed_accepted_tokens == relaxed_tokens
+    assert m.phase("answer").num_relaxed_accepted_tokens == 0
+    assert m.phase("thinking").draft_length_histogram[0] > 0  # plain steps rode along
 
 
 class _ScriptedProposer:
