@@ -32,7 +32,7 @@ from thinkspec.spec_decode.step_costs import PLAIN, SPEC, StepCostModel
 GROUPS = ("answer", "thinking", "thinking_relaxed")
 ANSWER, THINKING, THINKING_RELAXED = range(3)
 PRIOR_RATE = 0.7  # c[g, i] before anything is observed: optimistic enough to try speculation
-RATE_ALPHA = 0.02  # weight of one observed draft in the EMA of its position's acceptance
+RATE_ALPHA = 0.05  # weight of one observed draft in the EMA of its position's acceptance (~20 drafts)
 PROBE_PERIOD = 32
 
 

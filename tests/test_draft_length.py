@@ -1,0 +1,157 @@
+"""adaptive_k: the draft-length chooser, its acceptance estimates and cost model, the histogram."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from checkpoints import tiny_checkpoint
+
+from thinkspec import LLM, SamplingParams
+from thinkspec.bench.projection import StepCosts
+from thinkspec.config import SpeculativeConfig
+from thinkspec.engine.factory import target_graph_widths
+from thinkspec.spec_decode.draft_length import (
+    ANSWER,
+    GROUPS,
+    PROBE_PERIOD,
+    THINKING,
+    AcceptanceEstimates,
+    AdaptiveDraftLength,
+    expected_tokens,
+)
+from thinkspec.spec_decode.metrics import SpecDecodeMetrics
+from thinkspec.spec_decode.step_costs import PLAIN, SPEC, StepCostModel
+
+K = 4
+
+
+def _costs(plain: float = 5.0, draft: float = 0.5, per_token: float = 0.0) -> StepCostModel:
+    """Buckets 1 and 64; verify of b x q tokens = plain + per_token * b * (q - 1)."""
+    table = {
+        b: [StepCosts(b, k, plain, draft, plain + per_token * b * k) for k in range(K + 1)] for b in (1, 64)
+    }
+    return StepCostModel(K, (1, 2, 4, 8, 16, 32, 64), table)
+
+
+def test_expected_tokens():
+    rates = np.array([[0.5, 0.5, 1.0, 0.0]])
+    # 1 + 0.5 + 0.25 + 0.25 + 0
+    np.testing.assert_allclose(expected_tokens(rates)[0], [1.0, 1.5, 1.75, 2.0, 2.0])
+
+
+def test_estimates_count_tried_and_accepted_positions():
+    est = AcceptanceEstimates(K, prior=0.5, alpha=1.0)  # alpha 1: the last step's ratio
+    groups = np.array([THINKING, THINKING, ANSWER])
+    est.observe(groups, num_drafts=np.array([4, 2, 3]), num_accepted=np.array([1, 2, 0]))
+    # thinking: pos 0 tried by both, accepted by both; pos 1 tried by both, accepted by row 1;
+    # pos 2 tried by neither (row 0 stopped at 1, row 1 drafted 2). answer: pos 0 tried, rejected.
+    np.testing.assert_allclose(est.rates[THINKING], [1.0, 0.5, 0.5, 0.5])
+    np.testing.assert_allclose(est.rates[ANSWER], [0.0, 0.5, 0.5, 0.5])
+
+
+def test_choice_follows_acceptance_per_group():
+    # One verify forward pads every row to the longest window, so what an answer row's drafts cost
+    # is the draft forwards that run it, 0.05 ms per row here, from the second on (the first runs
+    # every row anyway, to keep the draft's K/V current).
+    table = {b: [StepCosts(b, k, 5.0, 0.5 + 0.05 * b, 5.0) for k in range(K + 1)] for b in (1, 64)}
+    chooser = AdaptiveDraftLength(K, StepCostModel(K, (1, 2, 4, 8, 64), table))
+    chooser.estimates.rates[THINKING] = 0.95
+    chooser.estimates.rates[ANSWER] = 0.05
+    counts = np.zeros(len(GROUPS), dtype=np.int64)
+    counts[[THINKING, ANSWER]] = 3
+    ks = chooser.choose(counts)
+    assert ks[THINKING] == K and ks[ANSWER] == 1
+    chooser.estimates.rates[:] = 0.0  # nothing is ever accepted: the plain step
+    assert chooser.choose(counts).tolist() == [0, 0, 0]
+
+
+def test_cost_of_verify_width_shortens_drafts():
+    """Verify cost growing with tokens per row (large batch) pulls k down at the same acceptance."""
+    counts = np.array([0, 64, 0])
+    cheap = AdaptiveDraftLength(K, _costs(per_token=0.0))
+    dear = AdaptiveDraftLength(K, _costs(per_token=0.02))
+    for c in (cheap, dear):
+        c.estimates.rates[:] = 0.7
+    assert dear.choose(counts)[THINKING] < cheap.choose(counts)[THINKING] == K
+
+
+def test_mixed_step_cost_counts_only_rows_still_drafting():
+    chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+    # 1 row drafts 4, 1 row drafts 1, batch 2 (draft_ms flat at 0.5): 4 x 0.5 + verify 5 = 7;
+    # draft forwards 2..4 run one row, as costly here as two (flat), so no correction.
+    assert chooser.modelled_ms(np.array([4, 1])) == pytest.approx(7.0)
+    sloped = {b: [StepCosts(b, k, 5.0, 0.1 * b, 5.0) for k in range(K + 1)] for b in (1, 64)}
+    chooser = AdaptiveDraftLength(K, StepCostModel(K, (1, 2, 64), sloped))
+    # draft(2) = 0.2, draft(1) = 0.1: forward 1 over both rows, forwards 2..4 over one
+    assert chooser.modelled_ms(np.array([4, 1])) == pytest.approx(5.0 + 0.2 + 3 * 0.1)
+    assert chooser.modelled_ms(np.array([0, 0])) == pytest.approx(5.0)
+
+
+def test_overhead_is_learned_per_kind():
+    costs = _costs()
+    for _ in range(200):
+        costs.observe(16, SPEC, measured_ms=9.0, modelled_ms=7.0)
+        costs.observe(16, PLAIN, measured_ms=5.5, modelled_ms=5.0)
+    np.testing.assert_allclose(costs.overhead_ms(16), [0.5, 2.0], atol=1e-3)
+    assert costs.overhead_ms(64).tolist() == [0.0, 0.0]  # another bucket learns on its own
+    costs.observe(16, SPEC, measured_ms=1e4, modelled_ms=7.0)  # a step that captured a graph
+    assert costs.overhead_ms(16)[SPEC] < 3.5
+
+
+def test_probing_recovers_a_pessimistic_estimate():
+    """Acceptance is really 0.9 but the estimates start at 0: the chooser drafts nothing, probes one
+    token every PROBE_PERIOD steps, and climbs to K."""
+    rng = np.random.default_rng(0)
+    chooser = AdaptiveDraftLength(K, _costs())
+    chooser.estimates.rates[:] = 0.0
+    counts = np.array([0, 4, 0])
+    first = chooser.choose(counts)[THINKING]
+    ks = []
+    for _ in range(40 * PROBE_PERIOD):
+        k = int(chooser.choose(counts)[THINKING])
+        ks.append(k)
+        if k:
+            accepted = np.cumprod(rng.random((4, k)) < 0.9, axis=1).sum(axis=1)
+            chooser.observe(np.full(4, THINKING), np.full(4, k), accepted, np.full(4, k), None)
+    assert first == 0 and ks[-1] >= K - 1
+
+
+def test_histogram_counts_and_merges():
+    m = SpecDecodeMetrics()
+    m.observe_draft_lengths(np.array([0, 3, 3, 1]), np.array([True, True, False, False]))
+    m.count_draft_length(5, thinking=False)
+    assert m.thinking.draft_length_histogram == [1, 0, 0, 1]
+    assert m.answer.draft_length_histogram == [0, 1, 0, 1, 0, 1]
+    total = SpecDecodeMetrics().merge(m).merge(m)
+    assert total.phase(None).draft_length_histogram == [2, 2, 0, 4, 0, 2]
+    assert m.to_dict()["by_phase"]["answer"]["draft_length_histogram"] == [0, 1, 0, 1, 0, 1]
+
+
+def test_config():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive_k=True)
+    assert cfg.adaptive_k and not SpeculativeConfig(method="ngram", num_speculative_tokens=3).adaptive_k
+    with pytest.raises(ValueError, match=r"adaptive_k must be a bool"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive_k=1)
+    with pytest.raises(ValueError, match=r"adaptive_k=True needs a speculative method"):
+        SpeculativeConfig(adaptive_k=True)
+    assert target_graph_widths(4, every_width=True) == (1, 2, 3, 4, 5)
+    assert target_graph_widths(4) == (1, 2, 5)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_engine_chooses_by_acceptance(rate):
+    """End to end on CPU (default cost model, learned overhead): drafts that are never accepted
+    turn speculation off (plain steps), drafts that always are get the full K."""
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_rate": rate,
+           "adaptive_k": True}  # fmt: skip
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    outs = llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 100 for o in outs)
+    hist = llm.last_spec_metrics.answer.draft_length_histogram
+    hist = hist + [0] * (K + 1 - len(hist))
+    if rate == 0.0:
+        assert hist[0] > 0.7 * sum(hist)  # plain rows, with a probe now and then
+    else:
+        assert hist[K] > 0.7 * sum(hist)  # the rest: the last steps, capped by max_tokens
