@@ -61,6 +61,7 @@ def test_choice_follows_acceptance_per_group():
     counts[[THINKING, ANSWER]] = 3
     ks = chooser.choose(counts)
     assert ks[THINKING] == K and ks[ANSWER] == 1
+    chooser = AdaptiveDraftLength(K, chooser.costs)
     chooser.estimates.rates[:] = 0.0  # nothing is ever accepted: the plain step
     assert chooser.choose(counts).tolist() == [0, 0, 0]
 
@@ -138,20 +139,50 @@ def test_config():
     assert target_graph_widths(4) == (1, 2, 5)
 
 
-@pytest.mark.parametrize("rate", [0.0, 1.0])
-def test_engine_chooses_by_acceptance(rate):
+@pytest.mark.parametrize("rate, max_tokens", [(0.0, 150), (1.0, 60)])
+def test_engine_chooses_by_acceptance(rate, max_tokens):
     """End to end on CPU (default cost model, learned overhead): drafts that are never accepted
     turn speculation off (plain steps), drafts that always are get the full K."""
     target = tiny_checkpoint("qwen3", tied=True)
     cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_rate": rate,
            "adaptive_k": True}  # fmt: skip
     llm = LLM(target, device="cpu", speculative_config=cfg)
-    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 100 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     hist = llm.last_spec_metrics.answer.draft_length_histogram
     hist = hist + [0] * (K + 1 - len(hist))
     if rate == 0.0:
-        assert hist[0] > 0.7 * sum(hist)  # plain rows, with a probe now and then
+        assert hist[0] > 0.7 * sum(hist)  # plain rows once learnt, with a probe now and then
     else:
         assert hist[K] > 0.7 * sum(hist)  # the rest: the last steps, capped by max_tokens
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["adaptive", "forced"])
+def test_adaptive_greedy_on_cuda_equals_plain_on_the_toy_pair(policy):
+    """The bundled toy pair on CUDA, fp32, CUDA graphs: adaptive_k (and k forced to vary per step and
+    phase group, so graph widths 1..K+1 and mixed windows all run) emits plain greedy's tokens."""
+    from thinkspec.spec_decode.draft_length import ForcedDraftLength
+    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.toy.task import generate_samples
+
+    prompts = [s.prompt for s in generate_samples(12, seed=20261201)]
+    sp = SamplingParams(temperature=0, max_tokens=160)
+    common = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, reasoning_parser="qwen3")
+    plain = LLM(TOY_MODELS["toy-reasoner"], **common)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
+    spec = LLM(TOY_MODELS["toy-reasoner"], speculative_config=cfg, **common)
+    if policy == "forced":
+        spec.llm_engine.speculator.draft_length = ForcedDraftLength(
+            K, lambda step, counts: np.array([(step + 2 * g) % (K + 1) for g in range(len(GROUPS))])
+        )
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    assert got == expected
+    m = spec.last_spec_metrics
+    assert m.total.num_accepted_tokens > 0 and sum(m.thinking.draft_length_histogram) > 0
+    assert spec.llm_engine.model_runner.graphs.num_replays > 0

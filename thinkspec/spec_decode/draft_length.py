@@ -14,7 +14,8 @@ zeros is the engine's plain decode step.
 
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
-than its best k, which measures the next position.
+than its best k, which measures the next position (every PLAIN_PROBE_PERIOD-th while all groups
+decode plainly, since then the draft model has to catch up first).
 
 `ForcedDraftLength` replaces the choice by a function of the step (tests, benchmarks: a fixed k, or
 k varying per step and group to exercise mixed windows).
@@ -34,6 +35,10 @@ ANSWER, THINKING, THINKING_RELAXED = range(3)
 PRIOR_RATE = 0.7  # c[g, i] before anything is observed: optimistic enough to try speculation
 RATE_ALPHA = 0.05  # weight of one observed draft in the EMA of its position's acceptance (~20 drafts)
 PROBE_PERIOD = 32
+REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
+# While every group decodes plainly the draft model falls behind, and a probe first catches it up
+# over every token since: probe more rarely there.
+PLAIN_PROBE_PERIOD = 256
 
 
 def group_of(thinking: bool, relaxed: bool) -> int:
@@ -62,17 +67,14 @@ class AcceptanceEstimates:
     ) -> None:
         """Position i of a row was tried when i < num_drafts and i <= num_accepted (drafts before it
         were accepted), and accepted when i < num_accepted. t tries weigh as t EMA steps."""
-        k = self.rates.shape[1]
+        num_groups, k = self.rates.shape
         pos = np.arange(k)
         tried = (pos[None, :] < num_drafts[:, None]) & (pos[None, :] <= num_accepted[:, None])  # [S, K]
-        accepted = pos[None, :] < num_accepted[:, None]  # [S, K]
-        for g in np.unique(groups):
-            rows = groups == g
-            t = tried[rows].sum(axis=0)  # [K]
-            a = (accepted[rows] & tried[rows]).sum(axis=0)  # [K]
-            weight = 1.0 - (1.0 - self.alpha) ** t
-            seen = t > 0
-            self.rates[g, seen] += weight[seen] * (a[seen] / t[seen] - self.rates[g, seen])
+        accepted = tried & (pos[None, :] < num_accepted[:, None])  # [S, K]
+        onehot = (groups[None, :] == np.arange(num_groups)[:, None]).astype(np.float64)  # [G, S]
+        t, a = onehot @ tried, onehot @ accepted  # [G, K] each
+        weight = 1.0 - (1.0 - self.alpha) ** t
+        self.rates += weight * (np.divide(a, t, out=np.zeros_like(a), where=t > 0) - self.rates)
 
 
 class AdaptiveDraftLength:
@@ -83,6 +85,8 @@ class AdaptiveDraftLength:
         self.costs = costs
         self.estimates = AcceptanceEstimates(k_max)
         self.num_choices = 0
+        self._grids: dict[int, np.ndarray] = {}
+        self._cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (counts, best ks, choice number)
 
     def choose(self, counts: np.ndarray) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0)."""
@@ -91,13 +95,17 @@ class AdaptiveDraftLength:
         ks = np.zeros(len(GROUPS), dtype=np.int64)
         if present.size == 0:
             return ks
-        self.costs.ensure(int(counts.sum()))
-        grid, gain, cost = self.evaluate(counts)
-        best = grid[:, int(np.argmax(gain / cost))]
-        ks[present] = best
         self.num_choices += 1
-        if self.num_choices % PROBE_PERIOD == 0:
-            g = present[(self.num_choices // PROBE_PERIOD) % present.size]
+        best = self._cached_best(counts)
+        if best is None:
+            self.costs.ensure(int(counts.sum()))
+            grid, gain, cost = self.evaluate(counts)
+            best = grid[:, int(np.argmax(gain / cost))]
+            self._cache = (counts, best, self.num_choices)
+        ks[present] = best
+        period = PROBE_PERIOD if best.any() else PLAIN_PROBE_PERIOD
+        if self.num_choices % period == 0:
+            g = present[(self.num_choices // period) % present.size]
             ks[g] = min(self.k_max, ks[g] + 1)
         return ks
 
@@ -107,8 +115,7 @@ class AdaptiveDraftLength:
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.float64)  # [P]
         batch = int(counts.sum())
-        k1 = self.k_max + 1
-        grid = np.array(list(itertools.product(range(k1), repeat=present.size)), dtype=np.int64).T  # [P, N]
+        grid = self._grid(present.size)  # [P, N]
         table = expected_tokens(self.estimates.rates[present])  # [P, K+1]
         gain = (n[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
         kmax = grid.max(axis=0)  # [N]
@@ -122,6 +129,23 @@ class AdaptiveDraftLength:
         cost = cost + np.where(kmax > 0, overhead[SPEC], overhead[PLAIN])
         return grid, gain, np.maximum(cost, 1e-6)
 
+    def _cached_best(self, counts: np.ndarray) -> np.ndarray | None:
+        """The last choice, while it is recent (REFRESH steps) and made for about these counts: the
+        same groups, each within 1/8 of its count (the grid search costs ~0.1-0.5 ms of host time)."""
+        if self._cache is None:
+            return None
+        cached, best, made = self._cache
+        same = np.array_equal(cached > 0, counts > 0) and (np.abs(cached - counts) * 8 <= cached).all()
+        return best if same and self.num_choices - made < REFRESH else None
+
+    def _grid(self, num_groups: int) -> np.ndarray:
+        """[P, (K+1)^P] every choice of k for P groups (cached)."""
+        grid = self._grids.get(num_groups)
+        if grid is None:
+            choices = itertools.product(range(self.k_max + 1), repeat=num_groups)
+            grid = self._grids[num_groups] = np.array(list(choices), dtype=np.int64).T
+        return grid
+
     def modelled_ms(self, row_ks: np.ndarray) -> float:
         """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out)."""
         batch = len(row_ks)
@@ -129,8 +153,8 @@ class AdaptiveDraftLength:
             return 0.0
         kmax = int(row_ks.max())
         ms = float(self.costs.round_ms(batch)[kmax])
-        rows = np.array([(row_ks > j).sum() for j in range(1, kmax)])
-        if rows.size:
+        if kmax > 1:
+            rows = (row_ks[None, :] > np.arange(1, kmax)[:, None]).sum(axis=1)  # [kmax-1]
             ms += float((self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch))).sum())
         return ms
 

@@ -78,6 +78,8 @@ class StepCostModel:
         self.costs: dict[int, list[StepCosts]] = dict(costs or {})  # bucket -> [K+1] rows, k = 0..K
         self.measure = measure  # bucket -> its rows (measure_bucket), for buckets not measured yet
         self.overhead: dict[int, np.ndarray] = {}  # bucket -> [2] ms (PLAIN, SPEC)
+        self._round: dict[int, np.ndarray] = {}  # batch -> round_ms(batch), until the next add
+        self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
         if not self.costs and measure is None:
             raise ValueError("StepCostModel needs costs or a way to measure them")
 
@@ -96,16 +98,24 @@ class StepCostModel:
         if [r.k for r in rows] != list(range(self.k_max + 1)) or len({r.batch for r in rows}) != 1:
             raise ValueError(f"need one bucket's StepCosts for k = 0..{self.k_max}, got {list(rows)}")
         self.costs[rows[0].batch] = list(rows)
+        self._round.clear()
+        self._draft_pts = None
 
     def round_ms(self, batch: int) -> np.ndarray:
         """[K+1] device ms of a step where all `batch` rows draft k (k = 0: the plain step)."""
-        rows = [c for b in sorted(self.costs) for c in self.costs[b]]
-        return np.array([round_ms_at([c for c in rows if c.k == k], batch) for k in range(self.k_max + 1)])
+        cached = self._round.get(batch)
+        if cached is None:
+            rows = [c for b in sorted(self.costs) for c in self.costs[b]]
+            by_k = [[c for c in rows if c.k == k] for k in range(self.k_max + 1)]
+            cached = self._round[batch] = np.array([round_ms_at(costs, batch) for costs in by_k])
+        return cached
 
     def draft_ms(self, rows: np.ndarray) -> np.ndarray:
         """Device ms of one draft forward over `rows` sequences (any shape, elementwise)."""
-        pts = sorted((b, c[0].draft_ms) for b, c in self.costs.items())
-        return np.interp(rows, [b for b, _ in pts], [ms for _, ms in pts])
+        if self._draft_pts is None:
+            pts = sorted((b, c[0].draft_ms) for b, c in self.costs.items())
+            self._draft_pts = (np.array([b for b, _ in pts]), np.array([ms for _, ms in pts]))
+        return np.interp(rows, *self._draft_pts)
 
     def overhead_ms(self, batch: int) -> np.ndarray:
         """[2] learned host ms per step (PLAIN, SPEC) at batch's bucket."""
