@@ -170,6 +170,7 @@ class Speculator:
         self.draft_runner = draft_runner
         # adaptive_k: chooses each step's draft lengths; None drafts k every step.
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
+        self._last_step: tuple[float, float, np.ndarray] | None = None  # (start, host copy done, row_ks)
         if config.adaptive_k:
             self.draft_length = AdaptiveDraftLength(self.k, self._cost_model())
         self._synthetic_table: torch.Tensor | None = None  # [2, k] conditional rates, answer / thinking
@@ -212,6 +213,27 @@ class Speculator:
             if b >= max_batch:
                 return
 
+    def _time_last_step(self, now: float, builds: int) -> None:
+        """adaptive_k learns what a step costs from the time between the starts of two steps (the
+        scheduling and commit around it included). An idle engine between the two, or a build in
+        between, leaves only the step's own time (its start to its host copy) to go by."""
+        last, self._last_step = self._last_step, None
+        if last is None or self.draft_length is None:
+            return
+        start, fetched, row_ks = last
+        own = fetched - start
+        full = now - start
+        wall = full if full <= 2.0 * own + 2e-3 and builds == self._num_builds() else own
+        self.draft_length.observe_time(row_ks, 1e3 * wall)
+
+    def _num_builds(self) -> int:
+        """Graphs captured and cost buckets measured so far; a step that changed it paid for them."""
+        runners = (self.target_runner, self.draft_runner)
+        n = sum(len(r.graphs.graphs) for r in runners if r is not None and r.graphs is not None)
+        if isinstance(self.draft_length, AdaptiveDraftLength):
+            n += len(self.draft_length.costs.costs)
+        return n
+
     def is_thinking(self, seq: Sequence) -> bool:
         """The phase the step's choice and histogram use: the synthetic profile's in that benchmark
         mode, else the request's own."""
@@ -233,7 +255,8 @@ class Speculator:
     @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> list[StepOutcome]:
         """Run one speculative step over sched; one StepOutcome per scheduled sequence (batch order)."""
-        start = time.perf_counter()
+        start, builds = time.perf_counter(), self._num_builds()
+        self._time_last_step(start, builds)
         seqs, num_new = sched.seqs, sched.num_new_tokens
         sample_mask = sched.sample_mask()
         # Decodes speculate; a request's first output token is always sampled plainly (whether its
@@ -278,11 +301,13 @@ class Speculator:
         packed = [t.pack() for t in (plain_lp, spec_lp, prompt_lp) if t is not None]
         host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed)
         if choice is not None:
-            wall_ms = 1e3 * (time.perf_counter() - start) if decodes_only else None
             assert self.draft_length is not None
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
-            self.draft_length.observe(groups, nd, host.num_accepted, choice[3], wall_ms)
+            self.draft_length.observe(groups, nd, host.num_accepted)
+            # A timing sample when only decodes ran and nothing was built (timed at the next step)
+            timed = decodes_only and builds == self._num_builds()
+            self._last_step = (start, time.perf_counter(), choice[3]) if timed else None
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
             groups = [

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from thinkspec.spec_decode.step_costs import PLAIN, SPEC, StepCostModel
+from thinkspec.spec_decode.step_costs import StepCostModel
 
 GROUPS = ("answer", "thinking", "thinking_relaxed")
 ANSWER, THINKING, THINKING_RELAXED = range(3)
@@ -125,8 +125,7 @@ class AdaptiveDraftLength:
             rows = (n[:, None, None] * (grid[:, :, None] > j[None, None, :])).sum(axis=0)  # [N, K-1]
             fix = np.where(rows > 0, self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch)), 0.0)
             cost = cost + np.where(j[None, :] < kmax[:, None], fix, 0.0).sum(axis=1)
-        overhead = self.costs.overhead_ms(batch)
-        cost = cost + np.where(kmax > 0, overhead[SPEC], overhead[PLAIN])
+        cost = cost + self.costs.overhead_ms(batch)[kmax]
         return grid, gain, np.maximum(cost, 1e-6)
 
     def _cached_best(self, counts: np.ndarray) -> np.ndarray | None:
@@ -163,15 +162,15 @@ class AdaptiveDraftLength:
         groups: np.ndarray,  # [S] int, GROUPS index of each speculating row
         num_drafts: np.ndarray,  # [S] int
         num_accepted: np.ndarray,  # [S] int
-        row_ks: np.ndarray,  # [R] int, k of every decode row the step chose for (0 = plain)
-        wall_ms: float | None,  # the step's wall time; None when other work rode along (prefills)
     ) -> None:
-        """Learn from one step: acceptance of its windows, and its wall time against the model."""
+        """Learn from one step's windows what its groups accept."""
         if len(groups):
             self.estimates.observe(groups, num_drafts, num_accepted)
-        if wall_ms is not None and len(row_ks):
-            kind = SPEC if row_ks.max() > 0 else PLAIN
-            self.costs.observe(len(row_ks), kind, wall_ms, self.modelled_ms(row_ks))
+
+    def observe_time(self, row_ks: np.ndarray, wall_ms: float) -> None:
+        """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain)."""
+        if len(row_ks):
+            self.costs.observe(len(row_ks), int(row_ks.max()), wall_ms, self.modelled_ms(row_ks))
 
 
 class ForcedDraftLength:
@@ -193,5 +192,8 @@ class ForcedDraftLength:
         self.num_choices += 1
         return ks
 
-    def observe(self, *args: object, **kwargs: object) -> None:
+    def observe(self, *args: object) -> None:
+        pass
+
+    def observe_time(self, *args: object) -> None:
         pass

@@ -11,10 +11,12 @@ row its own window, graph width max k + 1) costs
 
   round_ms(B, kmax) + sum_{j=1}^{kmax-1} (draft_ms(n_j) - draft_ms(B))     n_j: rows drafting > j
 
-since draft forward j only runs the rows that still draft. On top of that each step pays host work
-the device timings do not see (scheduling, packing, acceptance bookkeeping, the host copy): the
-model learns it online, per bucket and for plain / speculative steps separately, as an exponential
-moving average of (measured wall time - modelled device time).
+since draft forward j only runs the rows that still draft. On top of that each step pays work the
+graph timings do not see (scheduling, packing, the logits windows and acceptance, the host copy),
+which grows with the window at large batch: the model learns it online, per bucket and per longest
+window kmax (0 = the plain step), as an exponential moving average of (measured wall time -
+modelled device time) that its first measurement starts. An entry not measured yet borrows the
+nearest measured window of its bucket (the plain step only its own), else the nearest bucket's.
 
 Where the figures come from: on CUDA with graphs, `measure_bucket` times replays of the captured
 graphs (the target at every width 1..K+1, the draft at width 1) the first time a bucket is needed;
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from thinkspec.engine.model_runner import ModelRunner
 
 OVERHEAD_ALPHA = 0.05  # weight of one step's measurement in the learned host overhead
-PLAIN, SPEC = 0, 1  # overhead kinds
+MIN_OF = 3  # an overhead entry starts as the least of its first measurements
 
 
 def default_costs(k_max: int, buckets: Seq[int]) -> dict[int, list[StepCosts]]:
@@ -77,7 +79,9 @@ class StepCostModel:
         self.buckets = tuple(sorted(buckets))  # the graph batch buckets (overhead keys)
         self.costs: dict[int, list[StepCosts]] = dict(costs or {})  # bucket -> [K+1] rows, k = 0..K
         self.measure = measure  # bucket -> its rows (measure_bucket), for buckets not measured yet
-        self.overhead: dict[int, np.ndarray] = {}  # bucket -> [2] ms (PLAIN, SPEC)
+        # [buckets, K+1] learned ms per step by longest window kmax (0 = plain), NaN = not measured
+        self.overhead = np.full((len(self.buckets), k_max + 1), np.nan)
+        self.seen = np.zeros((len(self.buckets), k_max + 1), dtype=np.int64)  # measurements of each entry
         self._round: dict[int, np.ndarray] = {}  # batch -> round_ms(batch), until the next add
         self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
         if not self.costs and measure is None:
@@ -118,13 +122,33 @@ class StepCostModel:
         return np.interp(rows, *self._draft_pts)
 
     def overhead_ms(self, batch: int) -> np.ndarray:
-        """[2] learned host ms per step (PLAIN, SPEC) at batch's bucket."""
-        return self.overhead.get(self.bucket(batch), np.zeros(2))
+        """[K+1] learned ms per step beyond the modelled device time, by kmax, at batch's bucket
+        (unmeasured entries filled as the module docstring says; 0 where nothing is measured)."""
+        row = self.buckets.index(self.bucket(batch))
+        out = np.zeros(self.k_max + 1)
+        for cols in (slice(0, 1), slice(1, None)):  # the plain step, then the windows
+            rows = sorted(range(len(self.buckets)), key=lambda r: abs(r - row))
+            measured = next(
+                (self.overhead[r, cols] for r in rows if not np.isnan(self.overhead[r, cols]).all()), None
+            )
+            if measured is None:
+                continue
+            have = np.flatnonzero(~np.isnan(measured))
+            nearest = have[np.abs(np.arange(measured.size)[:, None] - have[None, :]).argmin(axis=1)]
+            out[cols] = measured[nearest]
+        return out
 
-    def observe(self, batch: int, kind: int, measured_ms: float, modelled_ms: float) -> None:
-        """Learn the host overhead from one step's wall time. A step that built a graph or compiled
-        a kernel would teach a huge overhead: each measurement weighs in at most 4x the model."""
-        bucket = self.bucket(batch)
-        cur = self.overhead.setdefault(bucket, np.zeros(2))
-        extra = min(measured_ms - modelled_ms, 4.0 * modelled_ms + 1.0)
-        cur[kind] += OVERHEAD_ALPHA * (max(extra, 0.0) - cur[kind])
+    def observe(self, batch: int, kmax: int, measured_ms: float, modelled_ms: float) -> None:
+        """Learn the overhead from one step's wall time (the caller leaves out steps that captured
+        a graph or measured costs). A step that compiled a kernel is an outlier too, and may be the
+        first: an entry keeps the least of its first MIN_OF measurements, and after that a step
+        moves it up by at most what twice the entry plus 1 ms would."""
+        row = self.buckets.index(self.bucket(batch))
+        extra = max(measured_ms - modelled_ms, 0.0)
+        cur, seen = self.overhead[row, kmax], self.seen[row, kmax]
+        if np.isnan(cur) or seen < MIN_OF:
+            new = extra if np.isnan(cur) else min(cur, extra)
+        else:
+            new = cur + OVERHEAD_ALPHA * (min(extra, 2.0 * cur + 1.0) - cur)
+        self.overhead[row, kmax] = new
+        self.seen[row, kmax] = seen + 1
