@@ -226,6 +226,12 @@ class Speculator:
         wall = full if full <= 2.0 * own + 2e-3 and builds == self._num_builds() else own
         self.draft_length.observe_time(row_ks, 1e3 * wall)
 
+    @staticmethod
+    def _draft_in_step(seqs: list[Sequence]) -> bool:
+        """Every sequence's draft K/V is at most 2 tokens behind (what one catch-up forward of a
+        steady speculative step feeds)."""
+        return all(s.num_tokens - min(s.num_draft_computed_tokens, s.num_computed_tokens) <= 2 for s in seqs)
+
     def _num_builds(self) -> int:
         """Graphs captured and cost buckets measured so far; a step that changed it paid for them."""
         runners = (self.target_runner, self.draft_runner)
@@ -273,6 +279,10 @@ class Speculator:
             spec_index, max_drafts = choice[0], choice[1]
         else:
             max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
+        # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
+        steady = choice is not None and (
+            not spec_index or not self.has_draft_model or self._draft_in_step(seqs)
+        )
         if choice is not None and not spec_index and decodes_only:
             # The plain decode step: the draft model catches up when its rows speculate again.
             proposal = Proposal(torch.empty(0, self.k, dtype=torch.long, device=self.device), [])
@@ -306,7 +316,7 @@ class Speculator:
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
             self.draft_length.observe(groups, nd, host.num_accepted)
             # A timing sample when only decodes ran and nothing was built (timed at the next step)
-            timed = decodes_only and builds == self._num_builds()
+            timed = decodes_only and steady and builds == self._num_builds()
             self._last_step = (start, time.perf_counter(), choice[3]) if timed else None
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
