@@ -169,6 +169,24 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
         assert hist[K] > 0.7 * sum(hist)  # the rest: the last steps, capped by max_tokens
 
 
+def test_engine_chooses_per_phase_group():
+    """The synthetic profile's phases (thinking for the first 40 tokens: every draft accepted; then
+    answer: none) are the groups the chooser learns: thinking rows draft K, answer rows stop."""
+    target = tiny_checkpoint("qwen3", tied=True)
+    profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 40}
+    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile,
+           "adaptive_k": True}  # fmt: skip
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    llm.llm_engine.speculator.draft_length.observe_time = lambda *args: None  # device model only
+    sp = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)
+    llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
+    m = llm.last_spec_metrics
+    think, answer = m.thinking.draft_length_histogram, m.answer.draft_length_histogram
+    assert think[K] >= 0.7 * sum(think) and answer[0] >= 0.6 * sum(answer)
+    assert m.thinking.num_accepted_tokens == m.thinking.num_draft_tokens > 0
+    assert m.answer.num_accepted_tokens == 0
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 

@@ -459,6 +459,8 @@ class Speculator:
             rows = self.tracker.over_budget(thinking, dev[:, 7].long(), dev[:, 8].long(), drafts)
             force_token(target, rows, self.tracker.think_end_id)
         relax_mask, thinking_before = self._relax_mask(seqs, drafts, num_drafts, thinking, dev[:, 1].bool())
+        if profile is not None:  # benchmark mode: the metrics' phase is the profile's, as the acceptance's
+            thinking_before = dev[:, 9].bool()[:, None].expand_as(drafts)
         seeds = None
         if not all_greedy:
             seeds = [
