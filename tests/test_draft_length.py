@@ -187,6 +187,26 @@ def test_engine_chooses_per_phase_group():
     assert m.answer.num_accepted_tokens == 0
 
 
+def test_forced_k_is_capped_by_the_room_left():
+    """k chosen for a group is cut, per row, to what the request may still emit (max_model_len and
+    max_tokens), as a fixed k is: the output stops exactly there, equal to plain decoding."""
+    from thinkspec.spec_decode.draft_length import ForcedDraftLength
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", max_model_len=23, speculative_config=cfg)
+    llm.llm_engine.speculator.draft_length = ForcedDraftLength.fixed(K, K)
+    plain = LLM(target, device="cpu", max_model_len=23)
+    prompts = [[72, 105, 33], [65, 66, 67, 68]]
+    for sp in (SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)):  # fmt: skip
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+        assert got == want and [len(g) for g in got] == ([20, 19] if sp.max_tokens == 100 else [13, 13])
+    hist = llm.llm_engine.spec_metrics.answer.draft_length_histogram
+    assert 0 < sum(hist[:K]) < hist[K]  # the last steps of each request drafted fewer
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 
