@@ -94,6 +94,7 @@ def test_overhead_is_learned_per_window():
     costs.observe(16, 2, measured_ms=99.0, modelled_ms=7.0)  # the first measurement sets it
     np.testing.assert_allclose(costs.overhead_ms(16), [0, 92, 92, 92, 92])  # windows borrow, plain not
     costs.observe(16, 2, measured_ms=9.0, modelled_ms=7.0)  # the least of the first three (a compile)
+    costs.observe(16, 2, measured_ms=60.0, modelled_ms=7.0)
     np.testing.assert_allclose(costs.overhead_ms(16), [0, 2, 2, 2, 2])
     for _ in range(200):
         costs.observe(16, 4, measured_ms=10.0, modelled_ms=7.0)
