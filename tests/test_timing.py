@@ -176,3 +176,26 @@ def test_capture_graphs_covers_every_bucket_up_to_the_batch_at_every_width():
     assert capture_graphs(llm, 20) == 0  # all there already
     plain = SimpleNamespace(model_runner=SimpleNamespace(graphs=None), speculator=None)
     assert capture_graphs(SimpleNamespace(llm_engine=plain), 8) == 0
+
+
+def test_timed_runs_see_a_frozen_heap_and_report_their_gc_pauses(no_builds):
+    import gc
+
+    seen: list[int] = []
+
+    def run() -> CellResult:
+        seen.append(gc.get_freeze_count())  # what was alive before the run is out of the collector's walk
+        cyclic = []
+        for _ in range(2000):  # garbage in cycles, so a collection has work to do
+            node: list = []
+            node.append(node)
+            cyclic.append(node)
+        del cyclic
+        gc.collect()
+        return _cell("a", 1.0)
+
+    (cell,) = bench.run_round_robin([(None, run)], repeats=2, use_tqdm=False)
+    assert all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == 0  # thawed after each run
+    for key in ("gc_pause_s_reps", "process_cpu_s_reps", "thread_cpu_s_reps"):  # one per repetition
+        assert len(cell.extra[key]) == 2 and all(v > 0 for v in cell.extra[key]), key

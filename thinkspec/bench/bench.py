@@ -14,7 +14,7 @@ from typing import Any
 
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import CellResult
-from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
+from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds, quiet_heap
 from thinkspec.llm import LLM
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
@@ -133,7 +133,10 @@ def grade_outputs(
         latencies=latencies,
         ttfts=ttfts,
         spec=spec,
-        extra={"output_digest": output_digest(outs)},
+        extra={
+            "output_digest": output_digest(outs),
+            "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics is not None),
+        },
     )
 
 
@@ -173,7 +176,9 @@ def run_round_robin(
         for r in range(repeats):
             for i, (llm, run) in enumerate(cells):
                 before = build_counts(llm)
-                cell = run()
+                with quiet_heap() as run_stats:
+                    cell = run()
+                cell.extra.update({f"{k}_reps": [v] for k, v in run_stats.items()})
                 check_no_builds(before, build_counts(llm), f"cell {cell.name!r} (repetition {r + 1})")
                 results[i] = _keep_repetition(results[i], cell, r)
                 if on_result is not None:
@@ -195,6 +200,9 @@ def _keep_repetition(first: CellResult | None, cell: CellResult, r: int) -> Cell
             "not deterministic"
         )
     first.tokens_per_s_reps.append(sum(cell.output_tokens) / max(cell.seconds, 1e-9))
+    for key, value in cell.extra.items():
+        if key.endswith("_reps"):  # the run's own statistics (quiet_heap), one per repetition
+            first.extra.setdefault(key, []).extend(value)
     return first
 
 

@@ -4,7 +4,11 @@ Triton kernel. A timed run that changes them paid for a build inside its time.
 
 from __future__ import annotations
 
+import gc
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # The modules whose Triton kernels the engine launches.
@@ -110,3 +114,33 @@ def check_no_builds(before: dict[str, int], after: dict[str, int], what: str) ->
             f"{what} built during its timed run ({', '.join(f'{n} new {k}' for k, n in grew.items())}): "
             "the warm-up did not cover its shapes, so its time includes the build"
         )
+
+
+@contextmanager
+def quiet_heap() -> Iterator[dict[str, float]]:
+    """Around one timed run: collect and freeze what is alive before it (engines, earlier cells'
+    results), so the collector's full passes do not walk the harness's own heap inside the run.
+    Collection stays on: the engine's own garbage is part of what is timed. Yields a dict that on
+    exit holds the run's gc_pause_s (collector pauses), process_cpu_s (all threads) and
+    thread_cpu_s (this thread): against the wall time they tell the harness's own work from a
+    machine that took the CPU away."""
+    gc.collect()
+    gc.freeze()
+    stats = {"gc_pause_s": 0.0}
+    started: list[float] = []
+
+    def clock(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            stats["gc_pause_s"] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(clock)
+    cpu0, thread0 = time.process_time(), time.thread_time()
+    try:
+        yield stats
+    finally:
+        stats["process_cpu_s"] = time.process_time() - cpu0
+        stats["thread_cpu_s"] = time.thread_time() - thread0
+        gc.callbacks.remove(clock)
+        gc.unfreeze()
