@@ -43,9 +43,10 @@ import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
+from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds, quiet_heap
 from thinkspec.spec_decode.draft_length import AdaptiveDraftLength, ForcedDraftLength
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
+from thinkspec.spec_decode.step_costs import StepCostModel
 
 DROPPED: list[str] = []  # timed runs that built something, run again
 PROFILES = {"good": (4.6, 2.5, 0.9), "bad": (1.5, 1.5, 0.9)}  # thinking AL, answer AL, thinking share
@@ -87,9 +88,10 @@ def timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    seconds = run(output_len)
-    metrics = llm.last_spec_metrics
-    seconds -= run(1)
+    with quiet_heap():
+        seconds = run(output_len)
+        metrics = llm.last_spec_metrics
+        seconds -= run(1)
     return len(prompts) * (output_len - 1) / seconds, metrics
 
 
@@ -209,12 +211,13 @@ def timed_sample(
     raise AssertionError("unreachable")
 
 
-def cost_model_table(llm: LLM) -> dict:
+def cost_model_table(costs: StepCostModel, max_batch: int) -> dict:
     """The adaptive engine's cost model as measured and learned: per bucket, verify ms at k = 0..K,
     the draft step ms, and the learned overhead by longest window (None = not measured)."""
-    costs = llm.llm_engine.speculator.draft_length.costs
     out = {}
     for row, bucket in enumerate(costs.buckets):
+        if bucket > costs.bucket(max_batch):
+            break
         overhead = [None if x != x else round(float(x), 3) for x in costs.overhead[row]]  # x != x: NaN
         entry: dict = {"overhead_ms": overhead}
         if bucket in costs.costs:
@@ -250,7 +253,7 @@ def measure(args, engines, choosers, cells, batches, prompts, result) -> None:
         result["summary"] = summarise(result["rows"], batches)
         result["repeats_done"] = r + 1
         result["dropped_runs"] = DROPPED
-        result["cost_model"] = cost_model_table(engines["spec"])
+        result["cost_model"] = cost_model_table(choosers["good"].costs, max(batches))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
