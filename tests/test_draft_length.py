@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from checkpoints import tiny_checkpoint
 
 from thinkspec import LLM, SamplingParams
@@ -236,3 +237,26 @@ def test_adaptive_greedy_on_cuda_equals_plain_on_the_toy_pair(policy):
     m = spec.last_spec_metrics
     assert m.total.num_accepted_tokens > 0 and sum(m.thinking.draft_length_histogram) > 0
     assert spec.llm_engine.model_runner.graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+def test_cost_model_measured_from_graph_replays_writes_no_kv():
+    """measure_costs times the captured graphs on dummy inputs: every width 1..K+1 of the target
+    and the draft step, at each bucket up to the batch; the KV pools are untouched."""
+    from thinkspec.toy.assets import TOY_MODELS
+
+    cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(TOY_MODELS["toy-reasoner"], device="cuda", gpu_memory_utilization=0.3, speculative_config=cfg)
+    spec = llm.llm_engine.speculator
+    llm.generate(["Sam has 3 apples."], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    kv = [r.kv_cache.clone() for r in (spec.target_runner, spec.draft_runner)]
+    spec.measure_costs(4)
+    costs = spec.draft_length.costs
+    assert sorted(costs.costs) == [1, 2, 4]
+    for rows in costs.costs.values():
+        assert [r.k for r in rows] == list(range(K + 1))
+        assert all(r.verify_ms > 0 and r.draft_ms > 0 for r in rows)
+        assert rows[K].verify_ms >= 0.5 * rows[0].verify_ms
+    assert spec.target_runner.graphs.spec.query_widths == tuple(range(1, K + 2))
+    for before, runner in zip(kv, (spec.target_runner, spec.draft_runner)):
+        assert torch.equal(before, runner.kv_cache)
