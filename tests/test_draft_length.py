@@ -209,6 +209,35 @@ def test_forced_k_is_capped_by_the_room_left():
     assert 0 < sum(hist[:K]) < hist[K]  # the last steps of each request drafted fewer
 
 
+def test_adaptive_plain_steps_run_ahead_with_async_scheduling():
+    """With async scheduling an adaptive engine's plain steps (every row k = 0) are the engine's own
+    plain step, left in flight while the next one launches; runs of plain and speculative steps
+    (k forced: 3 steps of 0, 3 of 2, ...) give plain greedy decoding's tokens."""
+    from thinkspec.spec_decode.draft_length import ForcedDraftLength
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", async_scheduling=True, speculative_config=cfg)
+    engine = llm.llm_engine
+    assert engine.async_scheduling
+    engine.speculator.draft_length = ForcedDraftLength(
+        K, lambda step, counts: np.full(3, 2 * ((step // 3) % 2))
+    )
+    launches = []
+    launch = engine._copies.launch
+    engine._copies.launch = lambda tokens: launches.append(1) or launch(tokens)
+    prompts = [[72, 105, 33], [65, 66, 67, 68, 69], [97]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    plain = LLM(target, device="cpu")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    hist = llm.last_spec_metrics.answer.draft_length_histogram
+    assert len(launches) > 3 and hist[0] > 0 and hist[2] > 0 and engine._in_flight is None
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported"):
+        LLM(target, device="cpu", async_scheduling=True, speculative_config={**cfg, "adaptive_k": False})
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 

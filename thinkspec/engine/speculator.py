@@ -130,6 +130,28 @@ class HostPack:
         )
 
 
+@dataclass(slots=True)
+class _Plan:
+    """adaptive_k: the draft lengths chosen for the step about to run (Speculator.plan)."""
+
+    seq_ids: list[int]  # id() of the scheduled sequences it was made for, in order
+    decodes: list[Sequence]  # the decode rows
+    choice: tuple[list[int], list[int], list[int], np.ndarray]  # Speculator._choose's
+    thinking: np.ndarray  # [R] bool, the phase each decode row's choice was made for
+    timed: tuple[float, int] | None  # (start, builds then) when the step is a timing sample
+
+
+def _decode_rows(seqs: list[Sequence], num_new: list[int], sample_mask: list[bool]) -> list[int]:
+    """Batch positions of the decode rows, the ones that may speculate. A request's first output
+    token is always sampled plainly (whether its prompt came from the cache or not), so seeded
+    outputs do not depend on the schedule."""
+    return [
+        i
+        for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
+        if m and n == 1 and seq.num_output_tokens > 0
+    ]
+
+
 def _budget(params) -> int:
     """thinking_token_budget as an int for the device, -1 = none."""
     return -1 if params.thinking_token_budget is None else min(params.thinking_token_budget, 2**53)
@@ -170,7 +192,8 @@ class Speculator:
         self.draft_runner = draft_runner
         # adaptive_k: chooses each step's draft lengths; None drafts k every step.
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
-        self._last_step: tuple[float, float, np.ndarray] | None = None  # (start, host copy done, row_ks)
+        self._last_step: tuple[float, int, np.ndarray] | None = None  # (start, builds then, row_ks)
+        self._plan: _Plan | None = None  # the step about to run (adaptive_k)
         if config.adaptive_k:
             self.draft_length = AdaptiveDraftLength(self.k, self._cost_model())
         self._synthetic_table: torch.Tensor | None = None  # [2, k] conditional rates, answer / thinking
@@ -213,18 +236,50 @@ class Speculator:
             if b >= max_batch:
                 return
 
+    def plan(self, seqs: list[Sequence], num_new: list[int], sample_mask: list[bool]) -> bool:
+        """adaptive_k, at the start of a step: choose the draft length of each of these scheduled rows
+        (kept for the step, see record_plan). True when the step is the plain decode step: every row
+        decodes, with k = 0 (the engine may then run its own plain step, async scheduling included).
+        Also takes the last step's time (see _time_last_step)."""
+        now = time.perf_counter()
+        builds = self._num_builds()
+        self._time_last_step(now, builds)
+        decodes = _decode_rows(seqs, num_new, sample_mask)
+        choice = self._choose(seqs, decodes)
+        decodes_only = len(decodes) == len(seqs)
+        # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
+        steady = not choice[0] or not self.has_draft_model or self._draft_in_step(seqs)
+        thinking = np.array([self.is_thinking(seqs[i]) for i in decodes], dtype=bool)
+        timed = (now, builds) if decodes_only and steady else None
+        self._plan = _Plan([id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, timed)
+        return decodes_only and not choice[0]
+
+    def record_plan(self) -> tuple[list[int], list[int], list[int], np.ndarray]:
+        """The planned step runs: count its draft lengths (engine and per request) and time it at
+        the next plan. Returns the plan's choice (see _choose)."""
+        plan, self._plan = self._plan, None
+        assert plan is not None
+        row_ks = plan.choice[3]
+        self.metrics.observe_draft_lengths(row_ks, plan.thinking)
+        for seq, k, t in zip(plan.decodes, row_ks.tolist(), plan.thinking.tolist()):
+            if seq.metrics.spec_decode is None:
+                seq.metrics.spec_decode = SpecDecodeMetrics()
+            seq.metrics.spec_decode.count_draft_length(k, t)
+        self._last_step = None if plan.timed is None else (*plan.timed, row_ks)
+        return plan.choice
+
+    def forget_last_step(self) -> None:
+        """The engine ran out of work: the time until its next step is no step's."""
+        self._last_step = None
+
     def _time_last_step(self, now: float, builds: int) -> None:
-        """adaptive_k learns what a step costs from the time between the starts of two steps (the
-        scheduling and commit around it included). An idle engine between the two, or a build in
-        between, leaves only the step's own time (its start to its host copy) to go by."""
+        """adaptive_k learns what a step costs from the time between the starts of two steps: all
+        of it, the host work around the step and a step left in flight included. A step during which
+        something was built (graphs, cost measurements) is no sample."""
         last, self._last_step = self._last_step, None
-        if last is None or self.draft_length is None:
+        if last is None or self.draft_length is None or last[1] != builds:
             return
-        start, fetched, row_ks = last
-        own = fetched - start
-        full = now - start
-        wall = full if full <= 2.0 * own + 2e-3 and builds == self._num_builds() else own
-        self.draft_length.observe_time(row_ks, 1e3 * wall)
+        self.draft_length.observe_time(last[2], 1e3 * (now - last[0]))
 
     @staticmethod
     def _draft_in_step(seqs: list[Sequence]) -> bool:
@@ -261,28 +316,19 @@ class Speculator:
     @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> list[StepOutcome]:
         """Run one speculative step over sched; one StepOutcome per scheduled sequence (batch order)."""
-        start, builds = time.perf_counter(), self._num_builds()
-        self._time_last_step(start, builds)
         seqs, num_new = sched.seqs, sched.num_new_tokens
         sample_mask = sched.sample_mask()
-        # Decodes speculate; a request's first output token is always sampled plainly (whether its
-        # prompt came from the cache or not), so seeded outputs do not depend on the schedule.
-        spec_index = [
-            i
-            for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
-            if m and n == 1 and seq.num_output_tokens > 0
-        ]
+        spec_index = _decode_rows(seqs, num_new, sample_mask)
         decodes_only = len(spec_index) == len(seqs)
         choice = None
         if self.draft_length is not None:
-            choice = self._choose(seqs, spec_index)
+            plan = self._plan
+            if plan is None or plan.seq_ids != [id(s) for s in seqs]:
+                self.plan(seqs, num_new, sample_mask)
+            choice = self.record_plan()
             spec_index, max_drafts = choice[0], choice[1]
         else:
             max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
-        # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
-        steady = choice is not None and (
-            not spec_index or not self.has_draft_model or self._draft_in_step(seqs)
-        )
         if choice is not None and not spec_index and decodes_only:
             # The plain decode step: the draft model catches up when its rows speculate again.
             proposal = Proposal(torch.empty(0, self.k, dtype=torch.long, device=self.device), [])
@@ -315,9 +361,6 @@ class Speculator:
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
             self.draft_length.observe(groups, nd, host.num_accepted)
-            # A timing sample when only decodes ran and nothing was built (timed at the next step)
-            timed = decodes_only and steady and builds == self._num_builds()
-            self._last_step = (start, time.perf_counter(), choice[3]) if timed else None
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
             groups = [
@@ -334,7 +377,7 @@ class Speculator:
     ) -> tuple[list[int], list[int], list[int], np.ndarray]:
         """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
         the request has left). Returns (spec_index: rows that draft, their max_drafts, their GROUPS
-        index, row_ks [R] of every decode row, 0 = a plain row) and counts them in the histograms."""
+        index, row_ks [R] of every decode row, 0 = a plain row)."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
         thinking = [self.is_thinking(seqs[i]) for i in decodes]
@@ -344,12 +387,6 @@ class Speculator:
         ks = self.draft_length.choose(np.bincount(np.asarray(groups, dtype=np.int64), minlength=len(GROUPS)))
         row_ks = np.array([min(int(ks[g]), self.max_drafts_for(seqs[i])) for g, i in zip(groups, decodes)])
         row_ks = row_ks.astype(np.int64)
-        self.metrics.observe_draft_lengths(row_ks, np.asarray(thinking, dtype=bool))
-        for i, k, t in zip(decodes, row_ks.tolist(), thinking):
-            seq = seqs[i]
-            if seq.metrics.spec_decode is None:
-                seq.metrics.spec_decode = SpecDecodeMetrics()
-            seq.metrics.spec_decode.count_draft_length(k, t)
         chosen = [b for b, k in enumerate(row_ks.tolist()) if k > 0]
         spec_index = [decodes[b] for b in chosen]
         return spec_index, [int(row_ks[b]) for b in chosen], [groups[b] for b in chosen], row_ks
