@@ -232,8 +232,11 @@ def test_adaptive_plain_steps_run_ahead_with_async_scheduling():
     plain = LLM(target, device="cpu")
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    hist = llm.last_spec_metrics.answer.draft_length_histogram
+    m = llm.last_spec_metrics
+    hist = m.answer.draft_length_histogram
     assert len(launches) > 3 and hist[0] > 0 and hist[2] > 0 and engine._in_flight is None
+    # every row counted with k drafts did draft k: the step ran as planned, in flight or not
+    assert m.total.num_draft_tokens == sum(k * n for k, n in enumerate(hist))
     with pytest.raises(ValueError, match="async_scheduling=True is not supported"):
         LLM(target, device="cpu", async_scheduling=True, speculative_config={**cfg, "adaptive_k": False})
 
