@@ -11,6 +11,9 @@
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
 #   projection  the projection of a sweep's cells (PROJECTION_SWEEP, PROJECTION_CELLS) against the engine
 #               replaying their acceptance at Qwen3-8B / 0.6B shapes (benchmarks/validate_projection.py)
+#   adaptive    adaptive_k vs plain and fixed k 1..8 at Qwen3-8B / 0.6B shapes, batch 1-128, a good and a bad
+#               synthetic draft, with the criteria as ratios (benchmarks/bench_adaptive.py);
+#               ADAPTIVE_ARGS replace its defaults (e.g. "--batch-sizes 1,16 --fixed-ks 2,4,6 --repeats 1")
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
@@ -84,6 +87,12 @@ if has projection; then
     --sweep "${PROJECTION_SWEEP:-docs/sweep-toy-h200/sweep.json}" --cells "${PROJECTION_CELLS:-T=0 strict,T=0 r=0.3 k=8}" \
     --out "$OUT/projection.json" ${PROJECTION_ARGS:-} 2>&1 | tee "$OUT/projection.log"
   record projection "${PIPESTATUS[0]}" "${PROJECTION_TIMEOUT:-300}"
+fi
+
+if has adaptive; then
+  timeout "${ADAPTIVE_TIMEOUT:-480}" $PY benchmarks/bench_adaptive.py --out "$OUT/adaptive.json" \
+    ${ADAPTIVE_ARGS:---repeats 2} 2>&1 | grep -v 'it/s]' | tee "$OUT/adaptive.log"
+  record adaptive "${PIPESTATUS[0]}" "${ADAPTIVE_TIMEOUT:-480}"
 fi
 
 if has long; then
@@ -223,7 +232,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round projection throughput gemv acceptance step toy_quality sweep; do
+for f in spec_round projection adaptive throughput gemv acceptance step toy_quality sweep; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

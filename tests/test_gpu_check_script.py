@@ -89,3 +89,14 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "gemv: ok" in lines
     assert lines[-1] == "FAILED: 2 stage(s): spec_round,throughput"
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
+
+
+def test_adaptive_stage_passes_its_args_and_is_time_boxed(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "adaptive", ADAPTIVE_ARGS="--batch-sizes 1,16 --repeats 1")
+    assert rc == 0 and "adaptive: ok" in summary.splitlines()
+    assert (
+        "fake run: benchmarks/bench_adaptive.py --out" in stdout
+        and "--batch-sizes 1,16 --repeats 1" in stdout
+    )
+    rc, _, summary = _run(tmp_path, "adaptive", FAKE_HANG="bench_adaptive", ADAPTIVE_TIMEOUT="1")
+    assert rc != 0 and "adaptive: TIMED OUT after 1s" in summary.splitlines()

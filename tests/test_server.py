@@ -360,6 +360,10 @@ def test_spec_decode_counters_exact(local_engine, monkeypatch):
         relaxed = rng.random((b, k)) < 0.5
         thinking = np.array([[True] * k, [False] * k])
         llm_engine.spec_metrics.observe(drafted, accepted, relaxed, thinking)
+        # adaptive_k's chosen draft lengths, three decode rows (one a plain row when k = 0)
+        llm_engine.spec_metrics.observe_draft_lengths(
+            rng.integers(0, k + 1, size=3), np.array([1, 1, 0], bool)
+        )
         return outputs
 
     llm_engine.step = step_and_observe
@@ -381,6 +385,12 @@ def test_spec_decode_counters_exact(local_engine, monkeypatch):
                     phase=phase,
                     position=str(pos),
                 )
+            for le in [*map(str, range(k + 1)), "+Inf"]:
+                name = "thinkspec:spec_decode_draft_length_bucket"
+                out["draft_length", phase, le] = metric(text, name, le=le, phase=phase)
+            out["draft_length_sum", phase] = metric(
+                text, "thinkspec:spec_decode_draft_length_sum", phase=phase
+            )
         return out
 
     def expected() -> dict:
@@ -398,6 +408,11 @@ def test_spec_decode_counters_exact(local_engine, monkeypatch):
             per_pos = counters.num_accepted_tokens_per_pos
             for pos in range(k):
                 out["per_pos", phase, pos] = float(per_pos[pos] if pos < len(per_pos) else 0)
+            hist = counters.draft_length_histogram
+            for le in range(k + 1):  # cumulative buckets up to the largest length seen so far
+                out["draft_length", phase, str(le)] = float(sum(hist[: le + 1])) if le < len(hist) else 0.0
+            out["draft_length", phase, "+Inf"] = float(sum(hist))
+            out["draft_length_sum", phase] = float(sum(i * c for i, c in enumerate(hist)))
         return out
 
     assert all(v == 0 for v in exposed().values())
@@ -405,6 +420,7 @@ def test_spec_decode_counters_exact(local_engine, monkeypatch):
     first = exposed()
     assert first == expected()
     assert first["num_draft_tokens", "thinking"] > 0 and first["num_draft_tokens", "answer"] > 0
+    assert first["draft_length", "thinking", "+Inf"] > 0 and first["draft_length", "answer", "+Inf"] > 0
     assert client.post("/v1/completions", json=body).status_code == 200
     second = exposed()
     assert second == expected()
@@ -546,9 +562,13 @@ def test_thinking_token_budget_through_extra_body(client):
 
     def ask(budget, max_tokens):
         extra = {} if budget is None else {"thinking_token_budget": budget}
-        return client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0, extra_body=extra
-        ).choices[0].message
+        return (
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0, extra_body=extra
+            )
+            .choices[0]
+            .message
+        )
 
     assert ask(None, 40).content is None  # unforced, this model never closes its thought
     first20 = ask(None, 20).reasoning_content

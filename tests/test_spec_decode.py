@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength
 from thinkspec.spec_decode.proposer import Proposal
 
 K = 4
@@ -98,13 +99,37 @@ SPEC_CONFIGS = {
 }
 
 
+# How a speculating engine picks each step's draft length: always k ("fixed", adaptive_k off), the
+# adaptive chooser, or forced to vary per step and per phase group (0 = plain rows and steps), so that
+# one verify batch mixes windows of different lengths.
+POLICIES = ("fixed", "adaptive", "forced")
+
+
+def _varying_k(step: int, counts: np.ndarray) -> np.ndarray:
+    return np.array([(step + 2 * g) % (K + 1) for g in range(len(GROUPS))])
+
+
+def _with_policy(cfg: dict, policy: str) -> dict:
+    return {**cfg, "adaptive_k": policy != "fixed"}
+
+
+def _apply_policy(llm: LLM, policy: str) -> None:
+    """Install the forced chooser (the engine was built with adaptive_k for it)."""
+    spec = llm.llm_engine.speculator
+    if policy == "forced":
+        spec.draft_length = ForcedDraftLength(spec.k, _varying_k)
+    assert isinstance(spec.draft_length, {"fixed": type(None), "adaptive": AdaptiveDraftLength,
+                                          "forced": ForcedDraftLength}[policy])  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
-def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
+def test_lossless_greedy_matches_plain_decoding(name, policy, eos_target, draft):
     prompts, params = _mixed_batch()
     kv = 9 * 2 * (2 * 2 * 16 * 2 * 32 * 4)  # 9 blocks of target + draft: forces preemption
     plain = LLM(eos_target, device="cpu", kv_cache_memory=kv // 2, max_num_batched_tokens=24)
     expected = plain.generate(prompts, params, use_tqdm=False)
-    cfg = dict(SPEC_CONFIGS[name])
+    cfg = _with_policy(SPEC_CONFIGS[name], policy)
     if cfg.get("method") != "ngram":
         cfg["model"] = str(draft)
     else:
@@ -112,6 +137,7 @@ def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
     spec = LLM(
         eos_target, device="cpu", kv_cache_memory=kv, max_num_batched_tokens=24, speculative_config=cfg
     )
+    _apply_policy(spec, policy)
     got = spec.generate(prompts, params, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
@@ -124,6 +150,13 @@ def test_lossless_greedy_matches_plain_decoding(name, eos_target, draft):
     assert metrics.total.num_accepted_tokens > 0
     assert metrics.total.num_relaxed_accepted_tokens == 0
     assert all(o.metrics.spec_decode is not None for o in got if len(o.outputs[0].token_ids) > 1)
+    hist = [metrics.phase(p).draft_length_histogram for p in ("thinking", "answer")]
+    if policy == "forced":  # plain rows and every draft length up to K were chosen
+        assert all(sum(h[k] for h in hist if k < len(h)) > 0 for k in range(min(K, 3) + 1))
+        if name.startswith("draft_relaxed"):  # both phase groups present
+            assert sum(hist[0]) > 0 and sum(hist[1]) > 0
+    elif policy == "fixed":
+        assert hist == [[], []]
     _assert_blocks_free(spec)
 
 
@@ -172,9 +205,16 @@ PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 0.7, "frequency_pena
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method, penalties", [("draft", None), ("ngram", None), ("draft", PENALTIES), ("ngram", PENALTIES)]
+    "method, penalties, policy",
+    [
+        ("draft", None, "fixed"),
+        ("ngram", None, "fixed"),
+        ("draft", PENALTIES, "fixed"),
+        ("ngram", PENALTIES, "fixed"),
+        ("draft", None, "forced"),  # k varying per step, plain steps included
+    ],
 )
-def test_seeded_sampling_keeps_target_distribution(method, penalties, target, draft):
+def test_seeded_sampling_keeps_target_distribution(method, penalties, policy, target, draft):
     # Most tokens occur in the prompt, so the n-gram proposer finds a continuation for most x1.
     prompt = [72, 105, 33, *range(34, 250), 72, 105]
     expected = _exact_second_token_distribution(target, prompt, penalties)
@@ -183,7 +223,9 @@ def test_seeded_sampling_keeps_target_distribution(method, penalties, target, dr
         if method == "draft"
         else {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     )
+    cfg = _with_policy(cfg, policy)
     llm = LLM(target, device="cpu", max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=cfg)
+    _apply_policy(llm, policy)
     n = 3000
     params = [
         SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i, **(penalties or {}))
@@ -201,6 +243,10 @@ def test_seeded_sampling_keeps_target_distribution(method, penalties, target, dr
     exp = np.append(expected[common], expected[~common].sum()) * n
     p_value = chisquare(obs, exp).pvalue
     assert p_value > 1e-3, p_value
+    if policy != "fixed":
+        # A seeded token depends on the window it was verified in (as it depends on k with a fixed
+        # k): with k chosen per step, a rerun need not draw the same sample.
+        return
     # Same seeds, same outputs: the run is reproducible request by request.
     again = llm.generate([prompt] * 8, params[:8], use_tqdm=False)
     assert _tokens(again) == _tokens(outs[:8])
@@ -268,6 +314,60 @@ def test_answer_after_relaxed_thinking_equals_strict_continuation(target, draft)
         assert cont.outputs[0].token_ids == ids[cut:]
         checked += 1
     assert checked >= 2
+
+
+def _relaxed_llm(target: Path, draft: Path, policy: str) -> LLM:
+    cfg = {"model": str(draft), "num_speculative_tokens": K, "reasoning_parser": "qwen3", **RELAXED}
+    llm = LLM(target, device="cpu", speculative_config=_with_policy(cfg, policy))
+    _apply_policy(llm, policy)
+    return llm
+
+
+def test_adaptive_relaxed_with_k_forced_to_K_equals_fixed_k(target, draft):
+    """The adaptive machinery (groups, narrowed windows, every graph width) leaves relaxed
+    acceptance as it is: forced to draft K every step, it is the fixed-k run token for token."""
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(4)] + [[70, 71, THINK_ID, 10, END_THINK_ID, 10]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    fixed = _relaxed_llm(target, draft, "fixed")
+    forced = _relaxed_llm(target, draft, "adaptive")
+    forced.llm_engine.speculator.draft_length = ForcedDraftLength.fixed(K, K)
+    want = fixed.generate(prompts, sp, use_tqdm=False)
+    got = forced.generate(prompts, sp, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    f, a = fixed.last_spec_metrics, forced.last_spec_metrics
+    assert a.total.num_relaxed_accepted_tokens == f.total.num_relaxed_accepted_tokens > 0
+    assert a.phase("thinking").num_accepted_tokens_per_pos == f.phase("thinking").num_accepted_tokens_per_pos
+    assert a.phase("thinking").draft_length_histogram[K] > 0
+
+
+def test_relaxed_with_varying_k_follows_the_acceptance_rule(target, draft):
+    """With k varying per step and group, every emitted token is one the acceptance contract allows
+    at its prefix: the target's argmax g, or (thinking before it, not a marker) the draft's greedy
+    token d passing the relaxed test exp(l[d] - l[g]) >= ratio and rank(d) < top_k. Answer tokens
+    are all g."""
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(4)] + [[70, 71, THINK_ID, 10, END_THINK_ID, 10]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = _relaxed_llm(target, draft, "forced")
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    relaxed_tokens = 0
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + out.outputs[0].token_ids
+        lt, ld = hf_logits(target, ids), hf_logits(draft, ids)
+        thinking = prompt[-1] == THINK_ID
+        for p in range(len(prompt), len(ids)):
+            t, row = ids[p], lt[p - 1]
+            g = int(row.argmax())
+            if t != g:
+                rank = int((row > row[t]).sum())
+                assert thinking and t not in (THINK_ID, END_THINK_ID), (p, t, g)
+                assert t == int(ld[p - 1].argmax()) and rank < RELAXED["relax_top_k"], (p, t, g)
+                assert float(torch.exp(row[t] - row[g])) >= RELAXED["relax_ratio"]
+                relaxed_tokens += 1
+            thinking = thinking if t not in (THINK_ID, END_THINK_ID) else t == THINK_ID
+    m = llm.last_spec_metrics
+    assert relaxed_tokens > 0 and m.total.num_relaxed_accepted_tokens == relaxed_tokens
+    assert m.phase("answer").num_relaxed_accepted_tokens == 0
+    assert m.phase("thinking").draft_length_histogram[0] > 0  # plain steps rode along
 
 
 class _ScriptedProposer:

@@ -93,7 +93,11 @@ class SpeculativeConfig:
     - method: "draft_model", "ngram" or None. None with a `model` becomes "draft_model"
       (as vLLM infers it); None without a model means no speculation.
     - model: draft checkpoint (folder or hub id); required by "draft_model", refused by "ngram".
-    - num_speculative_tokens: drafts per verify step, in [1, 16]; required when speculating.
+    - num_speculative_tokens: drafts per verify step, in [1, 16]; required when speculating. With
+      adaptive_k it is the most a step may draft (K).
+    - adaptive_k: before each step choose, per phase group (answer / thinking strict / thinking
+      relaxed), how many tokens to draft, 0..K, for the most expected tokens per second (see
+      spec_decode/draft_length.py); k = 0 is a plain decode step. False: always K.
     - prompt_lookup_min / prompt_lookup_max: n-gram match lengths (ngram only),
       1 <= min <= max; both unset -> 5 and 5, one unset -> it takes the other's value.
     - relaxed_thinking / relax_ratio / relax_top_k / relax_delta: the relaxed test
@@ -124,6 +128,7 @@ class SpeculativeConfig:
     think_end_token: str | None = None
     synthetic_acceptance_rate: float | None = None
     synthetic_acceptance_profile: dict[str, Any] | None = None
+    adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         owner = "SpeculativeConfig"
@@ -155,6 +160,11 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ValueError(f"{owner}.model must be None with method='ngram', got {self.model!r}")
         self._check_prompt_lookup(owner)
+        _check_bool(owner, "adaptive_k", self.adaptive_k)
+        if self.adaptive_k and self.method is None:
+            raise ValueError(
+                f"{owner}.adaptive_k=True needs a speculative method ({' or '.join(SPEC_METHODS)})"
+            )
         if self.synthetic_acceptance_rate is not None:
             self.synthetic_acceptance_rate = _check_unit_float(
                 owner, "synthetic_acceptance_rate", self.synthetic_acceptance_rate
@@ -218,8 +228,12 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         for phase in ("thinking", "answer"):
             rates = profile[phase]
-            ok = isinstance(rates, list) and len(rates) == k and all(
-                isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in rates
+            ok = (
+                isinstance(rates, list)
+                and len(rates) == k
+                and all(
+                    isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in rates
+                )
             )
             if not ok or any(b > a for a, b in zip(rates, rates[1:])):
                 raise ValueError(

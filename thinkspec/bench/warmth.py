@@ -41,7 +41,8 @@ def capture_graphs(llm: Any, max_batch: int) -> int:
     """Capture every CUDA graph the runners may replay for up to max_batch sequences, at every query
     width. A batch that ends unevenly (rows finishing after different numbers of rounds, as
     speculation makes them) passes through buckets at random, so warming at the full batch alone
-    leaves some uncaptured. Returns the number of graphs captured (0 without CUDA graphs)."""
+    leaves some uncaptured. With adaptive_k the cost model is measured at those buckets too.
+    Returns the number of graphs captured (0 without CUDA graphs)."""
     before = build_counts(llm)["graphs"]
     for runner in _runners(llm):
         cache = getattr(runner, "graphs", None)
@@ -52,6 +53,9 @@ def capture_graphs(llm: Any, max_batch: int) -> int:
         for q in spec.query_widths:
             for b in (b for b in spec.batch_sizes if b <= top):
                 cache.ensure_captured((b, q))
+    speculator = llm.llm_engine.speculator
+    if speculator is not None:  # adaptive_k times graph replays per bucket the first time it sees one
+        speculator.measure_costs(max_batch)
     return build_counts(llm)["graphs"] - before
 
 

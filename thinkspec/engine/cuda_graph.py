@@ -339,6 +339,26 @@ class CUDAGraphCache:
             bucket, q, 1e3 * (time.perf_counter() - t0),
         )  # fmt: skip
 
+    @torch.inference_mode()
+    def time_replay(self, key: tuple[int, int], reps: int = 5) -> float:
+        """Median ms of one replay of key's graph (captured first if missing) on the capture's dummy
+        inputs, which write no KV slot; the cost model of the adaptive draft length reads it.
+        Leaves the static buffers as a capture does: the next replay brings its own inputs."""
+        self.ensure_captured(key)
+        graph = self.graphs[key]
+        with torch.cuda.device(self.device):
+            self._dummy_inputs(*key)
+            graph.replay()  # first replay after capture may pay for lazy allocations
+            times = []
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        return float(np.median(times))
+
     def _dummy_inputs(self, bucket: int, q: int) -> None:
         """Inputs of a capture: every sequence q tokens at positions 0..q-1, no KV slot written;
         block tables point at block 0 (reads of it are harmless)."""

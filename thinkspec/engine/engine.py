@@ -48,7 +48,9 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by request id
-        self.async_scheduling = self.speculator is None and (
+        # adaptive_k's plain steps are the engine's own, so they may be left in flight too.
+        self._adaptive = self.speculator is not None and self.speculator.draft_length is not None
+        self.async_scheduling = (self.speculator is None or self._adaptive) and (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
         self._in_flight: InFlight | None = None
@@ -195,7 +197,10 @@ class LLMEngine:
         pending = list(self._pending_outputs)
         unfinished = list(self.scheduler.requests.values())
         try:
-            return self.run_step(finished_only)
+            outputs = self.run_step(finished_only)
+            if self._adaptive and not self.scheduler.has_unfinished_requests():
+                self.speculator.forget_last_step()  # idle until the next request: no step's time
+            return outputs
         except Exception as error:  # noqa: BLE001 - attributed to requests, or re-raised
             return recover_from_step_fault(self, error, finished_only, pending, unfinished)
 
@@ -212,12 +217,10 @@ class LLMEngine:
             for seq in parent.release():
                 self.scheduler.add(seq)
         flight = self._in_flight
-        if flight is not None and not (
-            self.async_scheduling and self.scheduler.can_run_ahead([s for _, s in flight.pending])
-        ):
+        spec = self.speculator
+        if flight is not None and not self._runs_ahead(flight):
             outputs += self._commit_in_flight(finished_only)
             flight = None
-        spec = self.speculator
         sched = self.scheduler.schedule(num_lookahead_tokens=spec.k if spec is not None else 0)
         if sched.is_empty:
             if flight is not None:
@@ -229,9 +232,27 @@ class LLMEngine:
                 )
             return outputs
         if spec is not None:
-            changed = self.scheduler.apply(sched, spec.step(sched))
-            return outputs + self._outputs(changed, finished_only)
+            # adaptive_k with async scheduling: a step whose rows all draft 0 is the plain step below
+            plain = flight is not None or (
+                self._adaptive and self.async_scheduling
+                and spec.plan(sched.seqs, sched.num_new_tokens, sched.sample_mask())
+            )  # fmt: skip
+            if not plain:
+                changed = self.scheduler.apply(sched, spec.step(sched))
+                return outputs + self._outputs(changed, finished_only)
+            spec.record_plan()  # the plan's choice: all rows 0, counted as such
         return outputs + self._plain_step(sched, flight, finished_only)
+
+    def _runs_ahead(self, flight: InFlight) -> bool:
+        """Whether the next step may launch before the step in flight commits: it decodes exactly
+        the same sequences (Scheduler.can_run_ahead) and, with adaptive_k, is a plain step too."""
+        pending = [s for _, s in flight.pending]
+        if not (self.async_scheduling and self.scheduler.can_run_ahead(pending)):
+            return False
+        if self.speculator is None:
+            return True
+        n = len(pending)
+        return self.speculator.plan(pending, [1] * n, [True] * n)
 
     def settle_in_flight(self, finished_only: bool) -> list[RequestOutput]:
         """Commit a step left in flight, if any (fault recovery starts from committed state)."""

@@ -35,8 +35,15 @@ from thinkspec.utils import logger, resolve_device
 DRAFT_GRAPH_WIDTHS = (1, 2)
 
 
-def target_graph_widths(k: int) -> tuple[int, ...]:
+def target_graph_widths(k: int, every_width: bool = False) -> tuple[int, ...]:
+    """every_width (adaptive_k): any step may verify 1..k drafts per row, so widths 1..k+1."""
+    if every_width and k:
+        return tuple(range(1, k + 2))
     return (1,) if not k else tuple(sorted({1, 2, k + 1}))
+
+
+def _adaptive(args: EngineArgs) -> bool:
+    return args.speculative_config is not None and args.speculative_config.adaptive_k
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
@@ -105,7 +112,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     pool = torch.cuda.graph_pool_handle() if models.use_cuda_graphs else None  # shared by all graphs
     runner = ModelRunner.for_model(
         models.model, info, num_blocks=num_blocks, block_size=args.block_size, device=models.device,
-        graphs=graph_spec(args, models, target_graph_widths(models.lookahead), max_model_len, pool),
+        graphs=graph_spec(
+            args, models, target_graph_widths(models.lookahead, _adaptive(args)), max_model_len, pool
+        ),
     )  # fmt: skip
     block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
     reasoning = _resolve_reasoning(args, models)
@@ -183,7 +192,8 @@ def graph_spec(
 
 def _measure_graph_memory(args: EngineArgs, models: Models, configured_len: int) -> int:
     # In the order the runners first capture: a speculative step runs the draft first.
-    target = graph_spec(args, models, target_graph_widths(models.lookahead), configured_len, None)
+    widths = target_graph_widths(models.lookahead, _adaptive(args))
+    target = graph_spec(args, models, widths, configured_len, None)
     probe = [(models.model, models.info, target)]
     if models.draft_model is not None:
         draft = graph_spec(args, models, DRAFT_GRAPH_WIDTHS, configured_len, None)

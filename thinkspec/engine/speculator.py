@@ -18,6 +18,7 @@ moves to N + a: the slots of rejected drafts are overwritten later (no block chu
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from thinkspec.config import SpeculativeConfig
+from thinkspec.engine.cuda_graph import MAX_CAPTURE_BATCH, graph_batch_sizes
 from thinkspec.engine.model_runner import ModelRunner
 from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_step_logprobs, sample_with_extras
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
@@ -34,10 +36,12 @@ from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
+from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength, group_of
 from thinkspec.spec_decode.draft_model import DraftModelProposer
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
 from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput, Proposer
+from thinkspec.spec_decode.step_costs import StepCostModel, default_costs, measure_bucket
 
 _NO_STOP_ID = -2  # pads per-request stop-id lists; never equal to a draft (drafts are >= -1)
 
@@ -126,6 +130,28 @@ class HostPack:
         )
 
 
+@dataclass(slots=True)
+class _Plan:
+    """adaptive_k: the draft lengths chosen for the step about to run (Speculator.plan)."""
+
+    seq_ids: list[int]  # id() of the scheduled sequences it was made for, in order
+    decodes: list[Sequence]  # the decode rows
+    choice: tuple[list[int], list[int], list[int], np.ndarray]  # Speculator._choose's
+    thinking: np.ndarray  # [R] bool, the phase each decode row's choice was made for
+    timed: tuple[float, int] | None  # (start, builds then) when the step is a timing sample
+
+
+def _decode_rows(seqs: list[Sequence], num_new: list[int], sample_mask: list[bool]) -> list[int]:
+    """Batch positions of the decode rows, the ones that may speculate. A request's first output
+    token is always sampled plainly (whether its prompt came from the cache or not), so seeded
+    outputs do not depend on the schedule."""
+    return [
+        i
+        for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
+        if m and n == 1 and seq.num_output_tokens > 0
+    ]
+
+
 def _budget(params) -> int:
     """thinking_token_budget as an int for the device, -1 = none."""
     return -1 if params.thinking_token_budget is None else min(params.thinking_token_budget, 2**53)
@@ -163,6 +189,13 @@ class Speculator:
             lookup = (config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
             self.proposer = NgramProposer(self.k, *lookup, self.device)
         self.has_draft_model = draft_runner is not None
+        self.draft_runner = draft_runner
+        # adaptive_k: chooses each step's draft lengths; None drafts k every step.
+        self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
+        self._last_step: tuple[float, int, np.ndarray] | None = None  # (start, builds then, row_ks)
+        self._plan: _Plan | None = None  # the step about to run (adaptive_k)
+        if config.adaptive_k:
+            self.draft_length = AdaptiveDraftLength(self.k, self._cost_model())
         self._synthetic_table: torch.Tensor | None = None  # [2, k] conditional rates, answer / thinking
         self.metrics = SpecDecodeMetrics()
         self.rng = np.random.default_rng(seed)
@@ -180,6 +213,96 @@ class Speculator:
         delta = c.relax_delta if p.relax_delta is None else p.relax_delta
         return bool(enabled), float(ratio), int(top_k), math.nan if delta is None else float(delta)
 
+    def _cost_model(self) -> StepCostModel:
+        """Measured from the graphs where the target replays them, the default model elsewhere."""
+        graphs = self.target_runner.graphs
+        if graphs is None:
+            buckets = graph_batch_sizes(MAX_CAPTURE_BATCH)
+            return StepCostModel(self.k, buckets, default_costs(self.k, buckets))
+
+        def measure(bucket: int):
+            return measure_bucket(self.target_runner, self.draft_runner, bucket, self.k)
+
+        return StepCostModel(self.k, graphs.spec.batch_sizes, measure=measure)
+
+    def measure_costs(self, max_batch: int) -> None:
+        """Measure the adaptive cost model at every bucket up to max_batch's now (a warm-up does
+        this so that no timed step measures); nothing to do without adaptive_k or graphs."""
+        chooser = self.draft_length
+        if not isinstance(chooser, AdaptiveDraftLength) or chooser.costs.measure is None:
+            return
+        for b in chooser.costs.buckets:
+            chooser.costs.ensure(b)
+            if b >= max_batch:
+                return
+
+    def plan(self, seqs: list[Sequence], num_new: list[int], sample_mask: list[bool]) -> bool:
+        """adaptive_k, at the start of a step: choose the draft length of each of these scheduled rows
+        (kept for the step, see record_plan). True when the step is the plain decode step: every row
+        decodes, with k = 0 (the engine may then run its own plain step, async scheduling included).
+        Also takes the last step's time (see _time_last_step)."""
+        now = time.perf_counter()
+        builds = self._num_builds()
+        self._time_last_step(now, builds)
+        decodes = _decode_rows(seqs, num_new, sample_mask)
+        choice = self._choose(seqs, decodes)
+        decodes_only = len(decodes) == len(seqs)
+        # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
+        steady = not choice[0] or not self.has_draft_model or self._draft_in_step(seqs)
+        thinking = np.array([self.is_thinking(seqs[i]) for i in decodes], dtype=bool)
+        timed = (now, builds) if decodes_only and steady else None
+        self._plan = _Plan([id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, timed)
+        return decodes_only and not choice[0]
+
+    def record_plan(self) -> tuple[list[int], list[int], list[int], np.ndarray]:
+        """The planned step runs: count its draft lengths (engine and per request) and time it at
+        the next plan. Returns the plan's choice (see _choose)."""
+        plan, self._plan = self._plan, None
+        assert plan is not None
+        row_ks = plan.choice[3]
+        self.metrics.observe_draft_lengths(row_ks, plan.thinking)
+        for seq, k, t in zip(plan.decodes, row_ks.tolist(), plan.thinking.tolist()):
+            if seq.metrics.spec_decode is None:
+                seq.metrics.spec_decode = SpecDecodeMetrics()
+            seq.metrics.spec_decode.count_draft_length(k, t)
+        self._last_step = None if plan.timed is None else (*plan.timed, row_ks)
+        return plan.choice
+
+    def forget_last_step(self) -> None:
+        """The engine ran out of work: the time until its next step is no step's."""
+        self._last_step = None
+
+    def _time_last_step(self, now: float, builds: int) -> None:
+        """adaptive_k learns what a step costs from the time between the starts of two steps: all
+        of it, the host work around the step and a step left in flight included. A step during which
+        something was built (graphs, cost measurements) is no sample."""
+        last, self._last_step = self._last_step, None
+        if last is None or self.draft_length is None or last[1] != builds:
+            return
+        self.draft_length.observe_time(last[2], 1e3 * (now - last[0]))
+
+    @staticmethod
+    def _draft_in_step(seqs: list[Sequence]) -> bool:
+        """Every sequence's draft K/V is at most 2 tokens behind (what one catch-up forward of a
+        steady speculative step feeds)."""
+        return all(s.num_tokens - min(s.num_draft_computed_tokens, s.num_computed_tokens) <= 2 for s in seqs)
+
+    def _num_builds(self) -> int:
+        """Graphs captured and cost buckets measured so far; a step that changed it paid for them."""
+        runners = (self.target_runner, self.draft_runner)
+        n = sum(len(r.graphs.graphs) for r in runners if r is not None and r.graphs is not None)
+        if isinstance(self.draft_length, AdaptiveDraftLength):
+            n += len(self.draft_length.costs.costs)
+        return n
+
+    def is_thinking(self, seq: Sequence) -> bool:
+        """The phase the step's choice and histogram use: the synthetic profile's in that benchmark
+        mode, else the request's own."""
+        profile = self.config.synthetic_acceptance_profile
+        if profile is not None:
+            return seq.num_output_tokens < profile["thinking_tokens"]
+        return seq.thinking
+
     def max_drafts_for(self, seq: Sequence) -> int:
         """Drafts worth proposing: no more than the tokens the request may still emit, minus the bonus."""
         p = seq.sampling_params
@@ -195,22 +318,32 @@ class Speculator:
         """Run one speculative step over sched; one StepOutcome per scheduled sequence (batch order)."""
         seqs, num_new = sched.seqs, sched.num_new_tokens
         sample_mask = sched.sample_mask()
-        # Decodes speculate; a request's first output token is always sampled plainly (whether its
-        # prompt came from the cache or not), so seeded outputs do not depend on the schedule.
-        spec_index = [
-            i
-            for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
-            if m and n == 1 and seq.num_output_tokens > 0
-        ]
-        max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
-        proposal = self.proposer.propose(ProposalInput(seqs, num_new, spec_index, max_drafts))
+        spec_index = _decode_rows(seqs, num_new, sample_mask)
+        decodes_only = len(spec_index) == len(seqs)
+        choice = None
+        if self.draft_length is not None:
+            plan = self._plan
+            if plan is None or plan.seq_ids != [id(s) for s in seqs]:
+                self.plan(seqs, num_new, sample_mask)
+            choice = self.record_plan()
+            spec_index, max_drafts = choice[0], choice[1]
+        else:
+            max_drafts = [self.max_drafts_for(seqs[i]) for i in spec_index]
+        if choice is not None and not spec_index and decodes_only:
+            # The plain decode step: the draft model catches up when its rows speculate again.
+            proposal = Proposal(torch.empty(0, self.k, dtype=torch.long, device=self.device), [])
+        else:
+            proposal = self.proposer.propose(ProposalInput(seqs, num_new, spec_index, max_drafts))
+        if choice is not None:
+            proposal = proposal.narrow(max(1, max(proposal.num_drafts, default=1)))
+        k = proposal.draft_token_ids.shape[1]  # this step's window: k + 1 rows per speculating sequence
         prompt_rows = PromptRows.build(seqs, num_new, sample_mask)
         batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal, prompt_rows)
         logits = self.target_runner.execute_model(
             seqs, batch.num_new, batch.num_logits, input_token_ids=batch.input_ids,
             device_tokens=batch.device_tokens,
         )  # fmt: skip  # [N, V] float32
-        plain_rows, windows = batch.logits_rows(self.k, sample_mask)
+        plain_rows, windows = batch.logits_rows(k, sample_mask)
         spec_of = batch.spec_of
         plain_index = [i for i, m in enumerate(sample_mask) if m and i not in spec_of]
         plain_seqs = [seqs[i] for i in plain_index]
@@ -220,21 +353,43 @@ class Speculator:
         if spec_index:
             target = logits[torch.from_numpy(windows).to(self.device, non_blocking=True)]  # [S, k+1, V]
             spec_seqs = [seqs[i] for i in spec_index]
-            result, thinking_before, spec_extras, spec_lp = self._verify(
-                spec_seqs, target, proposal
-            )
+            result, thinking_before, spec_extras, spec_lp = self._verify(spec_seqs, target, proposal)
         packed = [t.pack() for t in (plain_lp, spec_lp, prompt_lp) if t is not None]
-        host = HostPack.fetch(plain_tokens, result, thinking_before, self.k, packed)
+        host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed)
+        if choice is not None:
+            assert self.draft_length is not None
+            groups = np.asarray(choice[2], dtype=np.int64)
+            nd = np.asarray(batch.num_drafts, dtype=np.int64)
+            self.draft_length.observe(groups, nd, host.num_accepted)
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
             groups = [
                 (plain_extras if plain_lp else None, plain_index, 1),
-                (spec_extras if spec_lp else None, batch.spec_index, self.k + 1),
+                (spec_extras if spec_lp else None, batch.spec_index, k + 1),
             ]
             attach_step_logprobs(outcomes, sched.seqs, groups, prompt_rows, host.extra, self.tokenizer)
         return outcomes
 
     # ---- stages --------------------------------------------------------------------------------
+
+    def _choose(
+        self, seqs: list[Sequence], decodes: list[int]
+    ) -> tuple[list[int], list[int], list[int], np.ndarray]:
+        """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
+        the request has left). Returns (spec_index: rows that draft, their max_drafts, their GROUPS
+        index, row_ks [R] of every decode row, 0 = a plain row)."""
+        assert self.draft_length is not None
+        tracked = self.tracker is not None
+        thinking = [self.is_thinking(seqs[i]) for i in decodes]
+        groups = [
+            group_of(t, tracked and t and self.relax_settings(seqs[i])[0]) for t, i in zip(thinking, decodes)
+        ]
+        ks = self.draft_length.choose(np.bincount(np.asarray(groups, dtype=np.int64), minlength=len(GROUPS)))
+        row_ks = np.array([min(int(ks[g]), self.max_drafts_for(seqs[i])) for g, i in zip(groups, decodes)])
+        row_ks = row_ks.astype(np.int64)
+        chosen = [b for b, k in enumerate(row_ks.tolist()) if k > 0]
+        spec_index = [decodes[b] for b in chosen]
+        return spec_index, [int(row_ks[b]) for b in chosen], [groups[b] for b in chosen], row_ks
 
     def _build_verify_batch(
         self,
@@ -246,7 +401,7 @@ class Speculator:
     ) -> VerifyBatch:
         """Inputs of the target forward: unchanged chunks for plain rows, [last token, drafts] windows
         for speculating rows (drafts made on the device go in through device_tokens)."""
-        k = self.k
+        k = proposal.draft_token_ids.shape[1]
         spec_of = {i: b for b, i in enumerate(spec_index)}
         num_new, num_logits, input_ids = [], [], []
         dev_pos: list[int] = []  # packed input positions that take a device-held draft
@@ -305,8 +460,18 @@ class Speculator:
         limit = profile["thinking_tokens"] if profile is not None else 0
         host = torch.tensor(
             [
-                [float(n), float(en), ratio, float(top_k), delta, float(s.thinking), float(not p.is_greedy),
-                 float(s.num_thinking_tokens), float(_budget(p)), float(s.num_output_tokens < limit)]
+                [
+                    float(n),
+                    float(en),
+                    ratio,
+                    float(top_k),
+                    delta,
+                    float(s.thinking),
+                    float(not p.is_greedy),
+                    float(s.num_thinking_tokens),
+                    float(_budget(p)),
+                    float(s.num_output_tokens < limit),
+                ]
                 for n, (en, ratio, top_k, delta), s, p in zip(proposal.num_drafts, settings, seqs, params)
             ],
             dtype=torch.float64,
@@ -323,7 +488,7 @@ class Speculator:
         mask_stops_before_min_tokens(target, seqs)
         if not all_greedy:
             flat = target.view(-1, target.shape[-1])
-            t = SamplingTensors.from_params([p for p in params for _ in range(self.k + 1)], self.device)
+            t = SamplingTensors.from_params([p for p in params for _ in range(target.shape[1])], self.device)
             target = process_logits(flat, t).view_as(target)
         if self.tracker is not None and any(p.thinking_token_budget is not None for p in params):
             # Past the budget a row allows only </think>: no other draft is accepted there and the
@@ -331,6 +496,8 @@ class Speculator:
             rows = self.tracker.over_budget(thinking, dev[:, 7].long(), dev[:, 8].long(), drafts)
             force_token(target, rows, self.tracker.think_end_id)
         relax_mask, thinking_before = self._relax_mask(seqs, drafts, num_drafts, thinking, dev[:, 1].bool())
+        if profile is not None:  # benchmark mode: the metrics' phase is the profile's, as the acceptance's
+            thinking_before = dev[:, 9].bool()[:, None].expand_as(drafts)
         seeds = None
         if not all_greedy:
             seeds = [
@@ -431,7 +598,9 @@ class Speculator:
         num_spec, k = drafts.shape
         u = torch.rand(num_spec, k, generator=self.generator, device=drafts.device)
         pos = torch.arange(k, device=drafts.device)
-        ok = (u < self._synthetic_rates(thinking)) & (pos[None, :] < num_drafts[:, None])
+        rates = self._synthetic_rates(thinking)
+        rates = rates[:, :k] if isinstance(rates, torch.Tensor) else rates  # the step's window may be < K
+        ok = (u < rates) & (pos[None, :] < num_drafts[:, None])
         num_accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # [S]
         emitted = target.argmax(dim=-1).gather(1, num_accepted[:, None])  # [S, 1]
         out = torch.full((num_spec, k + 1), NO_DRAFT, dtype=torch.long, device=drafts.device)

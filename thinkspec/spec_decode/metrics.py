@@ -10,6 +10,9 @@ correction token):
 - num_relaxed_accepted_tokens: accepted drafts that the strict rule would have rejected
   (accepted only because of the relaxation).
 - num_emitted_tokens: a + 1 summed over counted steps.
+- draft_length_histogram[k] (adaptive_k only): decode rows of a step for which the engine chose to
+  draft k tokens, k = 0 included (a plain decode row); a row counts once per step, in the phase the
+  choice was made for.
 
 Phase split: token-level counters use each position's own phase (the phase before it, see
 `PhaseTracker.phase_before`); step-level counters (num_drafts, num_emitted_tokens) use the phase
@@ -56,6 +59,7 @@ class PhaseCounters:
     num_emitted_tokens: int = 0
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    draft_length_histogram: list[int] = field(default_factory=list)
 
     def merge(self, other: PhaseCounters) -> PhaseCounters:
         self.num_drafts += other.num_drafts
@@ -69,6 +73,7 @@ class PhaseCounters:
         self.num_accepted_tokens_per_pos = _add_lists(
             self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
         )
+        self.draft_length_histogram = _add_lists(self.draft_length_histogram, other.draft_length_histogram)
         return self
 
     @classmethod
@@ -105,6 +110,7 @@ class PhaseCounters:
             "num_emitted_tokens": self.num_emitted_tokens,
             "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "draft_length_histogram": list(self.draft_length_histogram),
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
@@ -257,6 +263,23 @@ class SpecDecodeMetrics:
         self.thinking.merge(counters["thinking"])
         self.answer.merge(counters["answer"])
         return self
+
+    def observe_draft_lengths(
+        self,
+        draft_lengths: np.ndarray,  # [R] int, k chosen for each decode row of one step
+        thinking: np.ndarray,  # [R] bool, the phase each choice was made for
+    ) -> None:
+        """Count one step's chosen draft lengths in the per-phase histograms."""
+        for counters, rows in ((self.thinking, thinking), (self.answer, ~thinking)):
+            if rows.any():
+                counts = np.bincount(draft_lengths[rows])
+                counters.draft_length_histogram = _add_lists(counters.draft_length_histogram, counts)
+
+    def count_draft_length(self, k: int, thinking: bool) -> None:
+        """One row's choice (per-request metrics: one Python addition per row and step)."""
+        hist = (self.thinking if thinking else self.answer).draft_length_histogram
+        hist.extend([0] * (k + 1 - len(hist)))
+        hist[k] += 1
 
     def merge(self, other: SpecDecodeMetrics) -> SpecDecodeMetrics:
         self.thinking.merge(other.thinking)

@@ -31,6 +31,17 @@ class Proposal:
     # forwards; None without a draft model.
     draft_computed: list[int] | None = None
 
+    def narrow(self, width: int) -> Proposal:
+        """The same drafts in tensors [S, width] (width >= every num_drafts): a step whose rows all
+        draft fewer than k verifies and accepts over narrower windows."""
+        if width == self.draft_token_ids.shape[1]:
+            return self
+        probs = self.draft_probs[:, :width].contiguous() if self.draft_probs is not None else None
+        return Proposal(
+            self.draft_token_ids[:, :width].contiguous(), self.num_drafts, probs, self.host_drafts,
+            self.draft_computed,
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class ProposalInput:

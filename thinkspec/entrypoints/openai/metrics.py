@@ -17,6 +17,8 @@ Exposed names (prometheus_client appends `_total` to counters):
 - thinkspec:spec_decode_num_accepted_tokens_total{phase}
 - thinkspec:spec_decode_num_accepted_tokens_per_pos_total{phase,position}
 - thinkspec:spec_decode_num_relaxed_accepted_tokens_total{phase}
+- thinkspec:spec_decode_draft_length{phase}   histogram of the draft length chosen per decode row
+  and step (adaptive_k; buckets le = 0..K, 0 = a plain row): _bucket{le}, _count, _sum
 
 phase is "thinking" or "answer". Engine-side values are read from the snapshot the engine thread
 takes after every step, so a scrape never touches the engine.
@@ -26,13 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine
 from thinkspec.outputs import RequestOutput
-from thinkspec.spec_decode.metrics import PHASES
+from thinkspec.spec_decode.metrics import PHASES, SpecDecodeMetrics
 
 _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -106,6 +109,24 @@ class _EngineCollector(Collector):
                 for pos, count in enumerate(spec.phase(phase).num_accepted_tokens_per_pos):
                     per_pos.add_metric([phase, str(pos)], count)
         yield per_pos
+        yield _draft_length_histogram(spec)
+
+
+def _draft_length_histogram(spec: SpecDecodeMetrics | None) -> HistogramMetricFamily:
+    """Prometheus histogram of the chosen draft lengths per phase (cumulative buckets le = 0..K)."""
+    family = HistogramMetricFamily(
+        "thinkspec:spec_decode_draft_length",
+        "draft length chosen for each decode row and step (adaptive_k; 0 = a plain decode row)",
+        labels=["phase"],
+    )
+    for phase in PHASES if spec is not None else ():
+        counts = spec.phase(phase).draft_length_histogram
+        if not counts:
+            continue
+        cumulative = np.cumsum(counts).tolist()
+        buckets = [(str(k), c) for k, c in enumerate(cumulative)] + [("+Inf", cumulative[-1])]
+        family.add_metric([phase], buckets, sum_value=float(np.dot(np.arange(len(counts)), counts)))
+    return family
 
 
 class ServerMetrics:

@@ -1,0 +1,296 @@
+"""adaptive_k: the draft-length chooser, its acceptance estimates and cost model, the histogram."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import tiny_checkpoint
+
+from thinkspec import LLM, SamplingParams
+from thinkspec.bench.projection import StepCosts
+from thinkspec.config import SpeculativeConfig
+from thinkspec.engine.factory import target_graph_widths
+from thinkspec.spec_decode.draft_length import (
+    ANSWER,
+    GROUPS,
+    PROBE_PERIOD,
+    THINKING,
+    AcceptanceEstimates,
+    AdaptiveDraftLength,
+    expected_tokens,
+)
+from thinkspec.spec_decode.metrics import SpecDecodeMetrics
+from thinkspec.spec_decode.step_costs import StepCostModel
+
+K = 4
+
+
+def _costs(plain: float = 5.0, draft: float = 0.5, per_token: float = 0.0) -> StepCostModel:
+    """Buckets 1 and 64; verify of b x q tokens = plain + per_token * b * (q - 1)."""
+    table = {
+        b: [StepCosts(b, k, plain, draft, plain + per_token * b * k) for k in range(K + 1)] for b in (1, 64)
+    }
+    return StepCostModel(K, (1, 2, 4, 8, 16, 32, 64), table)
+
+
+def test_expected_tokens():
+    rates = np.array([[0.5, 0.5, 1.0, 0.0]])
+    # 1 + 0.5 + 0.25 + 0.25 + 0
+    np.testing.assert_allclose(expected_tokens(rates)[0], [1.0, 1.5, 1.75, 2.0, 2.0])
+
+
+def test_estimates_count_tried_and_accepted_positions():
+    est = AcceptanceEstimates(K, prior=0.5, alpha=1.0)  # alpha 1: the last step's ratio
+    groups = np.array([THINKING, THINKING, ANSWER])
+    est.observe(groups, num_drafts=np.array([4, 2, 3]), num_accepted=np.array([1, 2, 0]))
+    # thinking: pos 0 tried by both, accepted by both; pos 1 tried by both, accepted by row 1;
+    # pos 2 tried by neither (row 0 stopped at 1, row 1 drafted 2). answer: pos 0 tried, rejected.
+    np.testing.assert_allclose(est.rates[THINKING], [1.0, 0.5, 0.5, 0.5])
+    np.testing.assert_allclose(est.rates[ANSWER], [0.0, 0.5, 0.5, 0.5])
+
+
+def test_choice_follows_acceptance_per_group():
+    # One verify forward pads every row to the longest window, so what an answer row's drafts cost
+    # is the draft forwards that run it, 0.05 ms per row here, from the second on (the first runs
+    # every row anyway, to keep the draft's K/V current).
+    table = {b: [StepCosts(b, k, 5.0, 0.5 + 0.05 * b, 5.0) for k in range(K + 1)] for b in (1, 64)}
+    chooser = AdaptiveDraftLength(K, StepCostModel(K, (1, 2, 4, 8, 64), table))
+    chooser.estimates.rates[THINKING] = 0.95
+    chooser.estimates.rates[ANSWER] = 0.05
+    counts = np.zeros(len(GROUPS), dtype=np.int64)
+    counts[[THINKING, ANSWER]] = 3
+    ks = chooser.choose(counts)
+    assert ks[THINKING] == K and ks[ANSWER] == 1
+    chooser = AdaptiveDraftLength(K, chooser.costs)
+    chooser.estimates.rates[:] = 0.0  # nothing is ever accepted: the plain step
+    assert chooser.choose(counts).tolist() == [0, 0, 0]
+
+
+def test_cost_of_verify_width_shortens_drafts():
+    """Verify cost growing with tokens per row (large batch) pulls k down at the same acceptance."""
+    counts = np.array([0, 64, 0])
+    cheap = AdaptiveDraftLength(K, _costs(per_token=0.0))
+    dear = AdaptiveDraftLength(K, _costs(per_token=0.02))
+    for c in (cheap, dear):
+        c.estimates.rates[:] = 0.7
+    assert dear.choose(counts)[THINKING] < cheap.choose(counts)[THINKING] == K
+
+
+def test_mixed_step_cost_counts_only_rows_still_drafting():
+    chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+    # 1 row drafts 4, 1 row drafts 1, batch 2 (draft_ms flat at 0.5): 4 x 0.5 + verify 5 = 7;
+    # draft forwards 2..4 run one row, as costly here as two (flat), so no correction.
+    assert chooser.modelled_ms(np.array([4, 1])) == pytest.approx(7.0)
+    sloped = {b: [StepCosts(b, k, 5.0, 0.1 * b, 5.0) for k in range(K + 1)] for b in (1, 64)}
+    chooser = AdaptiveDraftLength(K, StepCostModel(K, (1, 2, 64), sloped))
+    # draft(2) = 0.2, draft(1) = 0.1: forward 1 over both rows, forwards 2..4 over one
+    assert chooser.modelled_ms(np.array([4, 1])) == pytest.approx(5.0 + 0.2 + 3 * 0.1)
+    assert chooser.modelled_ms(np.array([0, 0])) == pytest.approx(5.0)
+
+
+def test_overhead_is_learned_per_window():
+    costs = _costs()
+    assert costs.overhead_ms(16).tolist() == [0.0] * (K + 1)  # nothing measured
+    costs.observe(16, 2, measured_ms=99.0, modelled_ms=7.0)  # the first measurement sets it
+    np.testing.assert_allclose(costs.overhead_ms(16), [0, 92, 92, 92, 92])  # windows borrow, plain not
+    costs.observe(16, 2, measured_ms=9.0, modelled_ms=7.0)  # the least of the first three (a compile)
+    costs.observe(16, 2, measured_ms=60.0, modelled_ms=7.0)
+    np.testing.assert_allclose(costs.overhead_ms(16), [0, 2, 2, 2, 2])
+    for _ in range(200):
+        costs.observe(16, 4, measured_ms=10.0, modelled_ms=7.0)
+        costs.observe(16, 0, measured_ms=5.5, modelled_ms=5.0)
+    np.testing.assert_allclose(costs.overhead_ms(16), [0.5, 2, 2, 2, 3], atol=1e-3)  # tie: the shorter
+    np.testing.assert_allclose(costs.overhead_ms(64), [0.5, 2, 2, 2, 3], atol=1e-3)  # nearest bucket
+    costs.observe(16, 4, measured_ms=1e4, modelled_ms=7.0)  # an outlier moves it a little
+    assert costs.overhead_ms(16)[4] < 3.5
+
+
+def test_probing_recovers_a_pessimistic_estimate():
+    """Acceptance is really 0.9 but the estimates start at 0: the chooser drafts nothing, probes one
+    token every PROBE_PERIOD steps, and climbs to K."""
+    rng = np.random.default_rng(0)
+    chooser = AdaptiveDraftLength(K, _costs())
+    chooser.estimates.rates[:] = 0.0
+    counts = np.array([0, 4, 0])
+    first = chooser.choose(counts)[THINKING]
+    ks = []
+    for _ in range(40 * PROBE_PERIOD):
+        k = int(chooser.choose(counts)[THINKING])
+        ks.append(k)
+        if k:
+            accepted = np.cumprod(rng.random((4, k)) < 0.9, axis=1).sum(axis=1)
+            chooser.observe(np.full(4, THINKING), np.full(4, k), accepted)
+    assert first == 0 and ks[-1] >= K - 1
+
+
+def test_histogram_counts_and_merges():
+    m = SpecDecodeMetrics()
+    m.observe_draft_lengths(np.array([0, 3, 3, 1]), np.array([True, True, False, False]))
+    m.count_draft_length(5, thinking=False)
+    assert m.thinking.draft_length_histogram == [1, 0, 0, 1]
+    assert m.answer.draft_length_histogram == [0, 1, 0, 1, 0, 1]
+    total = SpecDecodeMetrics().merge(m).merge(m)
+    assert total.phase(None).draft_length_histogram == [2, 2, 0, 4, 0, 2]
+    assert m.to_dict()["by_phase"]["answer"]["draft_length_histogram"] == [0, 1, 0, 1, 0, 1]
+
+
+def test_config():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive_k=True)
+    assert cfg.adaptive_k and not SpeculativeConfig(method="ngram", num_speculative_tokens=3).adaptive_k
+    with pytest.raises(ValueError, match=r"adaptive_k must be a bool"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive_k=1)
+    with pytest.raises(ValueError, match=r"adaptive_k=True needs a speculative method"):
+        SpeculativeConfig(adaptive_k=True)
+    assert target_graph_widths(4, every_width=True) == (1, 2, 3, 4, 5)
+    assert target_graph_widths(4) == (1, 2, 5)
+
+
+@pytest.mark.parametrize("rate, max_tokens", [(0.0, 150), (1.0, 60)])
+def test_engine_chooses_by_acceptance(rate, max_tokens):
+    """End to end on CPU: the acceptance the engine sees drives the choice. Drafts never accepted
+    turn speculation off (plain steps), drafts always accepted get the full K."""
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_rate": rate,
+           "adaptive_k": True}  # fmt: skip
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    # On a CPU the toy's speculative step may well cost more than the tokens it saves: the default
+    # device model alone decides here, the learned host overhead is left out.
+    timings = []
+    llm.llm_engine.speculator.draft_length.observe_time = lambda row_ks, ms: timings.append((row_ks, ms))
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    # Every decode-only step but the last is a timing sample (steps that captured nothing: CPU).
+    assert len(timings) >= max_tokens // (K + 1) - 2 and all(ms > 0 and len(ks) == 2 for ks, ms in timings)
+    hist = llm.last_spec_metrics.answer.draft_length_histogram
+    hist = hist + [0] * (K + 1 - len(hist))
+    if rate == 0.0:
+        assert hist[0] > 0.7 * sum(hist)  # plain rows once learnt, with a probe now and then
+    else:
+        assert hist[K] > 0.7 * sum(hist)  # the rest: the last steps, capped by max_tokens
+
+
+def test_engine_chooses_per_phase_group():
+    """The synthetic profile's phases (thinking for the first 40 tokens: every draft accepted; then
+    answer: none) are the groups the chooser learns: thinking rows draft K, answer rows stop."""
+    target = tiny_checkpoint("qwen3", tied=True)
+    profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 40}
+    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile,
+           "adaptive_k": True}  # fmt: skip
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    llm.llm_engine.speculator.draft_length.observe_time = lambda *args: None  # device model only
+    sp = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)
+    llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
+    m = llm.last_spec_metrics
+    think, answer = m.thinking.draft_length_histogram, m.answer.draft_length_histogram
+    assert think[K] >= 0.7 * sum(think) and answer[0] >= 0.6 * sum(answer)
+    assert m.thinking.num_accepted_tokens == m.thinking.num_draft_tokens > 0
+    assert m.answer.num_accepted_tokens == 0
+
+
+def test_forced_k_is_capped_by_the_room_left():
+    """k chosen for a group is cut, per row, to what the request may still emit (max_model_len and
+    max_tokens), as a fixed k is: the output stops exactly there, equal to plain decoding."""
+    from thinkspec.spec_decode.draft_length import ForcedDraftLength
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", max_model_len=23, speculative_config=cfg)
+    llm.llm_engine.speculator.draft_length = ForcedDraftLength.fixed(K, K)
+    plain = LLM(target, device="cpu", max_model_len=23)
+    prompts = [[72, 105, 33], [65, 66, 67, 68]]
+    for sp in (SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)):  # fmt: skip
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+        assert got == want and [len(g) for g in got] == ([20, 19] if sp.max_tokens == 100 else [13, 13])
+    hist = llm.llm_engine.spec_metrics.answer.draft_length_histogram
+    assert 0 < sum(hist[:K]) < hist[K]  # the last steps of each request drafted fewer
+
+
+def test_adaptive_plain_steps_run_ahead_with_async_scheduling(caplog):
+    """With async scheduling an adaptive engine's plain steps (every row k = 0) are the engine's own
+    plain step, left in flight while the next one launches; runs of plain and speculative steps
+    (k forced: 3 steps of 0, 3 of 2, ...) give plain greedy decoding's tokens."""
+    from thinkspec.spec_decode.draft_length import ForcedDraftLength
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", async_scheduling=True, speculative_config=cfg)
+    engine = llm.llm_engine
+    assert engine.async_scheduling
+    engine.speculator.draft_length = ForcedDraftLength(
+        K, lambda step, counts: np.full(3, 2 * ((step // 3) % 2))
+    )
+    launches = []
+    launch = engine._copies.launch
+    engine._copies.launch = lambda tokens: launches.append(1) or launch(tokens)
+    prompts = [[72, 105, 33], [65, 66, 67, 68, 69], [97]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]
+    with caplog.at_level("WARNING", logger="thinkspec"):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert "engine step failed" not in caplog.text  # fault isolation would hide a failing step
+    plain = LLM(target, device="cpu")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    m = llm.last_spec_metrics
+    hist = m.answer.draft_length_histogram
+    assert len(launches) > 3 and hist[0] > 0 and hist[2] > 0 and engine._in_flight is None
+    # every row counted with k drafts did draft k: the step ran as planned, in flight or not
+    assert m.total.num_draft_tokens == sum(k * n for k, n in enumerate(hist))
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported"):
+        LLM(target, device="cpu", async_scheduling=True, speculative_config={**cfg, "adaptive_k": False})
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["adaptive", "forced"])
+def test_adaptive_greedy_on_cuda_equals_plain_on_the_toy_pair(policy):
+    """The bundled toy pair on CUDA, fp32, CUDA graphs: adaptive_k (and k forced to vary per step and
+    phase group, so graph widths 1..K+1 and mixed windows all run) emits plain greedy's tokens."""
+    from thinkspec.spec_decode.draft_length import ForcedDraftLength
+    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.toy.task import generate_samples
+
+    prompts = [s.prompt for s in generate_samples(12, seed=20261201)]
+    sp = SamplingParams(temperature=0, max_tokens=160)
+    common = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, reasoning_parser="qwen3")
+    plain = LLM(TOY_MODELS["toy-reasoner"], **common)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
+    spec = LLM(TOY_MODELS["toy-reasoner"], speculative_config=cfg, **common)
+    if policy == "forced":
+        spec.llm_engine.speculator.draft_length = ForcedDraftLength(
+            K, lambda step, counts: np.array([(step + 2 * g) % (K + 1) for g in range(len(GROUPS))])
+        )
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    assert got == expected
+    m = spec.last_spec_metrics
+    assert m.total.num_accepted_tokens > 0 and sum(m.thinking.draft_length_histogram) > 0
+    assert spec.llm_engine.model_runner.graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+def test_cost_model_measured_from_graph_replays_writes_no_kv():
+    """measure_costs times the captured graphs on dummy inputs: every width 1..K+1 of the target
+    and the draft step, at each bucket up to the batch; the KV pools are untouched."""
+    from thinkspec.toy.assets import TOY_MODELS
+
+    cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(TOY_MODELS["toy-reasoner"], device="cuda", gpu_memory_utilization=0.3, speculative_config=cfg)
+    spec = llm.llm_engine.speculator
+    llm.generate(["Sam has 3 apples."], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    kv = [r.kv_cache.clone() for r in (spec.target_runner, spec.draft_runner)]
+    spec.measure_costs(4)
+    costs = spec.draft_length.costs
+    assert sorted(costs.costs) == [1, 2, 4]
+    for rows in costs.costs.values():
+        assert [r.k for r in rows] == list(range(K + 1))
+        assert all(r.verify_ms > 0 and r.draft_ms > 0 for r in rows)
+        assert rows[K].verify_ms >= 0.5 * rows[0].verify_ms
+    assert spec.target_runner.graphs.spec.query_widths == tuple(range(1, K + 2))
+    for before, runner in zip(kv, (spec.target_runner, spec.draft_runner)):
+        assert torch.equal(before, runner.kv_cache)

@@ -1,0 +1,199 @@
+"""Adaptive draft length: how many tokens each group of rows drafts in the next speculative step.
+
+Rows are grouped by phase and acceptance mode (GROUPS): answer rows (always strict), thinking rows
+verified strictly, thinking rows verified with the relaxed test. For every group and draft
+position i the chooser keeps c[g, i], an exponential moving average of the probability that draft
+i is accepted given drafts 0..i-1 were. A row of group g that drafts k tokens then emits, expected,
+
+  E_g(k) = 1 + sum_{i<k} prod_{j<=i} c[g, j]      tokens (the accepted drafts plus the bonus/correction)
+
+and a step where group g (n_g rows) drafts k_g costs StepCostModel's device time plus its learned
+host overhead (step_costs.py). `AdaptiveDraftLength.choose` takes the k per group, 0..K each, that
+maximises sum_g n_g E_g(k_g) / cost over the whole (K+1)^G grid (G <= 3 groups present); all
+zeros is the engine's plain decode step.
+
+Estimates of positions a group does not draft are not updated, so a pessimistic one could never
+recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
+than its best k, which measures the next position (every PLAIN_PROBE_PERIOD-th while all groups
+decode plainly, since then the draft model has to catch up first).
+
+`ForcedDraftLength` replaces the choice by a function of the step (tests, benchmarks: a fixed k, or
+k varying per step and group to exercise mixed windows).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from thinkspec.spec_decode.step_costs import StepCostModel
+
+GROUPS = ("answer", "thinking", "thinking_relaxed")
+ANSWER, THINKING, THINKING_RELAXED = range(3)
+PRIOR_RATE = 0.7  # c[g, i] before anything is observed: optimistic enough to try speculation
+RATE_ALPHA = 0.05  # weight of one observed draft in the EMA of its position's acceptance (~20 drafts)
+PROBE_PERIOD = 32
+REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
+# While every group decodes plainly the draft model falls behind, and a probe first catches it up
+# over every token since: probe more rarely there.
+PLAIN_PROBE_PERIOD = 256
+
+
+def group_of(thinking: bool, relaxed: bool) -> int:
+    """GROUPS index of a row: relaxation only applies while thinking."""
+    return (THINKING_RELAXED if relaxed else THINKING) if thinking else ANSWER
+
+
+def expected_tokens(rates: np.ndarray) -> np.ndarray:
+    """[G, K+1] E_g(k) for k = 0..K from conditional acceptance rates [G, K]."""
+    reach = np.cumprod(rates, axis=1)  # [G, K] P(drafts 0..i all accepted)
+    return 1.0 + np.concatenate([np.zeros((rates.shape[0], 1)), np.cumsum(reach, axis=1)], axis=1)
+
+
+class AcceptanceEstimates:
+    """c[g, i] for every group and draft position (see the module docstring)."""
+
+    def __init__(self, k_max: int, prior: float = PRIOR_RATE, alpha: float = RATE_ALPHA) -> None:
+        self.rates = np.full((len(GROUPS), k_max), prior)  # [G, K]
+        self.alpha = alpha
+
+    def observe(
+        self,
+        groups: np.ndarray,  # [S] int, GROUPS index of each row
+        num_drafts: np.ndarray,  # [S] int, drafts each row proposed
+        num_accepted: np.ndarray,  # [S] int, of which accepted
+    ) -> None:
+        """Position i of a row was tried when i < num_drafts and i <= num_accepted (drafts before it
+        were accepted), and accepted when i < num_accepted. t tries weigh as t EMA steps."""
+        num_groups, k = self.rates.shape
+        pos = np.arange(k)
+        tried = (pos[None, :] < num_drafts[:, None]) & (pos[None, :] <= num_accepted[:, None])  # [S, K]
+        accepted = tried & (pos[None, :] < num_accepted[:, None])  # [S, K]
+        onehot = (groups[None, :] == np.arange(num_groups)[:, None]).astype(np.float64)  # [G, S]
+        t, a = onehot @ tried, onehot @ accepted  # [G, K] each
+        weight = 1.0 - (1.0 - self.alpha) ** t
+        self.rates += weight * (np.divide(a, t, out=np.zeros_like(a), where=t > 0) - self.rates)
+
+
+class AdaptiveDraftLength:
+    """Chooses k per group before each step, learns from what the step accepted and cost."""
+
+    def __init__(self, k_max: int, costs: StepCostModel) -> None:
+        self.k_max = k_max
+        self.costs = costs
+        self.estimates = AcceptanceEstimates(k_max)
+        self.num_choices = 0
+        self._grids: dict[int, np.ndarray] = {}
+        self._cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (counts, best ks, choice number)
+
+    def choose(self, counts: np.ndarray) -> np.ndarray:
+        """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        present = np.flatnonzero(counts)
+        ks = np.zeros(len(GROUPS), dtype=np.int64)
+        if present.size == 0:
+            return ks
+        self.num_choices += 1
+        best = self._cached_best(counts)
+        if best is None:
+            self.costs.ensure(int(counts.sum()))
+            grid, gain, cost = self.evaluate(counts)
+            best = grid[:, int(np.argmax(gain / cost))]
+            self._cache = (counts, best, self.num_choices)
+        ks[present] = best
+        period = PROBE_PERIOD if best.any() else PLAIN_PROBE_PERIOD
+        if self.num_choices % period == 0:
+            g = present[(self.num_choices // period) % present.size]
+            ks[g] = min(self.k_max, ks[g] + 1)
+        return ks
+
+    def evaluate(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
+        [N], modelled ms [N]) for the N = (K+1)^P choices."""
+        present = np.flatnonzero(counts)
+        n = counts[present].astype(np.float64)  # [P]
+        batch = int(counts.sum())
+        grid = self._grid(present.size)  # [P, N]
+        table = expected_tokens(self.estimates.rates[present])  # [P, K+1]
+        gain = (n[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
+        kmax = grid.max(axis=0)  # [N]
+        cost = self.costs.round_ms(batch)[kmax]  # [N]: draft forwards over every row, verify at kmax+1
+        if self.k_max > 1:
+            j = np.arange(1, self.k_max)  # draft forwards 2..K run only the rows still drafting
+            rows = (n[:, None, None] * (grid[:, :, None] > j[None, None, :])).sum(axis=0)  # [N, K-1]
+            fix = np.where(rows > 0, self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch)), 0.0)
+            cost = cost + np.where(j[None, :] < kmax[:, None], fix, 0.0).sum(axis=1)
+        cost = cost + self.costs.overhead_ms(batch)[kmax]
+        return grid, gain, np.maximum(cost, 1e-6)
+
+    def _cached_best(self, counts: np.ndarray) -> np.ndarray | None:
+        """The last choice, while it is recent (REFRESH steps) and made for about these counts: the
+        same groups, each within 1/8 of its count (the grid search costs ~0.1-0.5 ms of host time)."""
+        if self._cache is None:
+            return None
+        cached, best, made = self._cache
+        same = np.array_equal(cached > 0, counts > 0) and (np.abs(cached - counts) * 8 <= cached).all()
+        return best if same and self.num_choices - made < REFRESH else None
+
+    def _grid(self, num_groups: int) -> np.ndarray:
+        """[P, (K+1)^P] every choice of k for P groups (cached)."""
+        grid = self._grids.get(num_groups)
+        if grid is None:
+            choices = itertools.product(range(self.k_max + 1), repeat=num_groups)
+            grid = self._grids[num_groups] = np.array(list(choices), dtype=np.int64).T
+        return grid
+
+    def modelled_ms(self, row_ks: np.ndarray) -> float:
+        """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out)."""
+        batch = len(row_ks)
+        if batch == 0:
+            return 0.0
+        kmax = int(row_ks.max())
+        ms = float(self.costs.round_ms(batch)[kmax])
+        if kmax > 1:
+            rows = (row_ks[None, :] > np.arange(1, kmax)[:, None]).sum(axis=1)  # [kmax-1]
+            ms += float((self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch))).sum())
+        return ms
+
+    def observe(
+        self,
+        groups: np.ndarray,  # [S] int, GROUPS index of each speculating row
+        num_drafts: np.ndarray,  # [S] int
+        num_accepted: np.ndarray,  # [S] int
+    ) -> None:
+        """Learn from one step's windows what its groups accept."""
+        if len(groups):
+            self.estimates.observe(groups, num_drafts, num_accepted)
+
+    def observe_time(self, row_ks: np.ndarray, wall_ms: float) -> None:
+        """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain)."""
+        if len(row_ks):
+            self.costs.observe(len(row_ks), int(row_ks.max()), wall_ms, self.modelled_ms(row_ks))
+
+
+class ForcedDraftLength:
+    """k per group from a function of (step number, counts [G]) -> [G] ks; learns nothing."""
+
+    def __init__(self, k_max: int, pick: Callable[[int, np.ndarray], np.ndarray]) -> None:
+        self.k_max = k_max
+        self.pick = pick
+        self.num_choices = 0
+
+    @classmethod
+    def fixed(cls, k_max: int, k: int) -> ForcedDraftLength:
+        """Every group drafts k (0 = plain decode steps)."""
+        return cls(k_max, lambda step, counts: np.full(len(GROUPS), k))
+
+    def choose(self, counts: np.ndarray) -> np.ndarray:
+        ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
+        ks = np.clip(ks, 0, self.k_max)
+        self.num_choices += 1
+        return ks
+
+    def observe(self, *args: object) -> None:
+        pass
+
+    def observe_time(self, *args: object) -> None:
+        pass

@@ -1,0 +1,154 @@
+"""What one engine step costs, as a function of batch size and draft length: the adaptive draft
+length's cost model.
+
+Per graph batch bucket b the model holds one `StepCosts` row (thinkspec/bench/projection.py, the
+same record the projection uses) for every k = 0..K: plain_ms = one plain decode forward,
+draft_ms = one single-token draft forward, verify_ms = one target forward of b x (k+1) tokens; its
+round_ms = k * draft_ms + verify_ms is a round where every row drafts k (k = 0: the plain step).
+Between measured buckets a figure is linear in the batch size, flat beyond them
+(projection.round_ms_at). A step whose rows draft different numbers of tokens (one forward, each
+row its own window, graph width max k + 1) costs
+
+  round_ms(B, kmax) + sum_{j=1}^{kmax-1} (draft_ms(n_j) - draft_ms(B))     n_j: rows drafting > j
+
+since draft forward j only runs the rows that still draft. On top of that each step pays work the
+graph timings do not see (scheduling, packing, the logits windows and acceptance, the host copy),
+which grows with the window at large batch: the model learns it online, per bucket and per longest
+window kmax (0 = the plain step), as an exponential moving average of (measured wall time -
+modelled device time) that its first measurement starts. An entry not measured yet borrows the
+nearest measured window of its bucket (the plain step only its own), else the nearest bucket's.
+
+Where the figures come from: on CUDA with graphs, `measure_bucket` times replays of the captured
+graphs (the target at every width 1..K+1, the draft at width 1) the first time a bucket is needed;
+without graphs (CPU, eager) `default_costs` stands in, a linear model of tokens per forward, and
+the learned overhead carries the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from thinkspec.bench.projection import StepCosts, round_ms_at
+
+if TYPE_CHECKING:
+    from thinkspec.engine.model_runner import ModelRunner
+
+OVERHEAD_ALPHA = 0.05  # weight of one step's measurement in the learned host overhead
+MIN_OF = 3  # an overhead entry starts as the least of its first measurements
+
+
+def default_costs(k_max: int, buckets: Seq[int]) -> dict[int, list[StepCosts]]:
+    """A stand-in without measurements: a forward costs 1 ms + 0.01 ms per token (target) and a
+    tenth of that (draft), for every bucket."""
+    table = {}
+    for b in buckets:
+        plain = 1.0 + 0.01 * b
+        draft = 0.1 * plain
+        table[b] = [StepCosts(b, k, plain, draft, 1.0 + 0.01 * b * (k + 1)) for k in range(k_max + 1)]
+    return table
+
+
+def measure_bucket(
+    target: ModelRunner, draft: ModelRunner | None, bucket: int, k_max: int, reps: int = 5
+) -> list[StepCosts]:
+    """[K+1] StepCosts of one bucket from timed replays of the runners' graphs (captured here when
+    missing); a proposer without a draft model (n-gram) drafts for free on the device."""
+    assert target.graphs is not None
+    verify = [target.graphs.time_replay((bucket, q), reps) for q in range(1, k_max + 2)]
+    draft_ms = 0.0
+    if draft is not None and draft.graphs is not None:
+        draft_ms = draft.graphs.time_replay((bucket, 1), reps)
+    return [StepCosts(bucket, k, verify[0], draft_ms, verify[k]) for k in range(k_max + 1)]
+
+
+class StepCostModel:
+    """Milliseconds of a step's parts (see the module docstring)."""
+
+    def __init__(
+        self,
+        k_max: int,
+        buckets: Seq[int],
+        costs: dict[int, list[StepCosts]] | None = None,
+        measure: Callable[[int], list[StepCosts]] | None = None,
+    ) -> None:
+        self.k_max = k_max
+        self.buckets = tuple(sorted(buckets))  # the graph batch buckets (overhead keys)
+        self.costs: dict[int, list[StepCosts]] = dict(costs or {})  # bucket -> [K+1] rows, k = 0..K
+        self.measure = measure  # bucket -> its rows (measure_bucket), for buckets not measured yet
+        # [buckets, K+1] learned ms per step by longest window kmax (0 = plain), NaN = not measured
+        self.overhead = np.full((len(self.buckets), k_max + 1), np.nan)
+        self.seen = np.zeros((len(self.buckets), k_max + 1), dtype=np.int64)  # measurements of each entry
+        self._round: dict[int, np.ndarray] = {}  # batch -> round_ms(batch), until the next add
+        self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
+        if not self.costs and measure is None:
+            raise ValueError("StepCostModel needs costs or a way to measure them")
+
+    def ensure(self, batch: int) -> None:
+        """Measure batch's bucket unless it is known (or nothing can be measured)."""
+        bucket = self.bucket(batch)
+        if self.measure is not None and bucket not in self.costs:
+            self.add(self.measure(bucket))
+
+    def bucket(self, batch: int) -> int:
+        """The smallest bucket >= batch (the largest one beyond them all)."""
+        return next((b for b in self.buckets if b >= batch), self.buckets[-1])
+
+    def add(self, rows: Seq[StepCosts]) -> None:
+        """Measured rows of one bucket, k = 0..K."""
+        if [r.k for r in rows] != list(range(self.k_max + 1)) or len({r.batch for r in rows}) != 1:
+            raise ValueError(f"need one bucket's StepCosts for k = 0..{self.k_max}, got {list(rows)}")
+        self.costs[rows[0].batch] = list(rows)
+        self._round.clear()
+        self._draft_pts = None
+
+    def round_ms(self, batch: int) -> np.ndarray:
+        """[K+1] device ms of a step where all `batch` rows draft k (k = 0: the plain step)."""
+        cached = self._round.get(batch)
+        if cached is None:
+            rows = [c for b in sorted(self.costs) for c in self.costs[b]]
+            by_k = [[c for c in rows if c.k == k] for k in range(self.k_max + 1)]
+            cached = self._round[batch] = np.array([round_ms_at(costs, batch) for costs in by_k])
+        return cached
+
+    def draft_ms(self, rows: np.ndarray) -> np.ndarray:
+        """Device ms of one draft forward over `rows` sequences (any shape, elementwise)."""
+        if self._draft_pts is None:
+            pts = sorted((b, c[0].draft_ms) for b, c in self.costs.items())
+            self._draft_pts = (np.array([b for b, _ in pts]), np.array([ms for _, ms in pts]))
+        return np.interp(rows, *self._draft_pts)
+
+    def overhead_ms(self, batch: int) -> np.ndarray:
+        """[K+1] learned ms per step beyond the modelled device time, by kmax, at batch's bucket
+        (unmeasured entries filled as the module docstring says; 0 where nothing is measured)."""
+        row = self.buckets.index(self.bucket(batch))
+        out = np.zeros(self.k_max + 1)
+        for cols in (slice(0, 1), slice(1, None)):  # the plain step, then the windows
+            rows = sorted(range(len(self.buckets)), key=lambda r: abs(r - row))
+            measured = next(
+                (self.overhead[r, cols] for r in rows if not np.isnan(self.overhead[r, cols]).all()), None
+            )
+            if measured is None:
+                continue
+            have = np.flatnonzero(~np.isnan(measured))
+            nearest = have[np.abs(np.arange(measured.size)[:, None] - have[None, :]).argmin(axis=1)]
+            out[cols] = measured[nearest]
+        return out
+
+    def observe(self, batch: int, kmax: int, measured_ms: float, modelled_ms: float) -> None:
+        """Learn the overhead from one step's wall time (the caller leaves out steps that captured
+        a graph or measured costs). A step that compiled a kernel is an outlier too, and may be the
+        first: an entry keeps the least of its first MIN_OF measurements, and after that a step
+        moves it up by at most what twice the entry plus 1 ms would."""
+        row = self.buckets.index(self.bucket(batch))
+        extra = max(measured_ms - modelled_ms, 0.0)
+        cur, seen = self.overhead[row, kmax], self.seen[row, kmax]
+        if np.isnan(cur) or seen < MIN_OF:
+            new = extra if np.isnan(cur) else min(cur, extra)
+        else:
+            new = cur + OVERHEAD_ALPHA * (min(extra, 2.0 * cur + 1.0) - cur)
+        self.overhead[row, kmax] = new
+        self.seen[row, kmax] = seen + 1
