@@ -139,7 +139,7 @@ def load_models(args: EngineArgs) -> Models:
     if tok_eos is not None and tok_eos not in eos:
         eos.append(tok_eos)
     bytes_per_block = kv_cache_bytes_per_block(
-        info.num_layers, args.block_size, info.num_kv_heads, info.head_dim, info.dtype
+        info.num_layers, args.block_size, info.kv_heads_per_rank, info.head_dim, info.dtype
     )
     spec = args.speculative_config
     draft_model = draft_info = None
@@ -150,7 +150,7 @@ def load_models(args: EngineArgs) -> Models:
         d = draft_info
         # Both pools share the block tables, so one block costs the sum of the two.
         bytes_per_block += kv_cache_bytes_per_block(
-            d.num_layers, args.block_size, d.num_kv_heads, d.head_dim, d.dtype
+            d.num_layers, args.block_size, d.kv_heads_per_rank, d.head_dim, d.dtype
         )
     backend = resolve_attention_backend(args.attention_backend, device)
     if backend == "triton":

@@ -254,7 +254,7 @@ class ModelRunner:
             model,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_kv_heads=info.num_kv_heads,
+            num_kv_heads=info.kv_heads_per_rank,
             head_dim=info.head_dim,
             dtype=info.dtype,
             device=device,
