@@ -155,6 +155,20 @@ def load_model(
     return net, info
 
 
+def check_tensor_parallel_size(model: str | Path, size: int, field_name: str) -> None:
+    """ValueError naming `field_name` when the checkpoint's head counts or MLP width cannot be split
+    `size` ways (read from config.json alone, before any process starts)."""
+    raw = _read_json(resolve_model_path(model) / "config.json", required=True) or {}
+    cfg = DecoderConfig.from_dict(raw, _architecture(raw))
+    try:
+        check_tp_layout(
+            size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+            intermediate_size=cfg.intermediate_size,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ValueError(str(e).replace("tensor_parallel_size", field_name, 1) + f" ({model})") from None
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
     """Random weights in place: N(0, std) for matrices and embeddings, 1 for norms, 0 for biases."""
