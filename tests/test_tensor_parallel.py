@@ -161,12 +161,18 @@ def test_killed_worker_fails_the_engine_with_its_rank(llama_tp2):
 
 @pytest.mark.slow
 def test_qwen3_tp8_ngram_equals_tp1():
-    """Eight ranks: 8 query heads, 2 KV heads (each held by 4 ranks), vocabulary 261 in shards of 33."""
+    """Eight ranks: 8 query heads, 2 KV heads (each held by 4 ranks), vocabulary 261 in shards of 33.
+    Short: eight processes share the CI machine's cores."""
     path = tiny_checkpoint("qwen3", tied=True, num_heads=8, num_kv_heads=2)
-    greedy, _ = _run(path, GREEDY)
-    out, metrics = _run(path, STRICT, tensor_parallel_size=8, speculative_config=NGRAM)
-    assert out == greedy
-    assert metrics.total.num_drafts > 0
+    prompts = [PROMPTS[0], PROMPTS[4]]
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    greedy = _tokens(LLM(str(path), device="cpu").generate(prompts, short, use_tqdm=False))
+    llm = LLM(str(path), device="cpu", tensor_parallel_size=8, speculative_config=NGRAM)
+    try:
+        assert _tokens(llm.generate(prompts, short, use_tqdm=False)) == greedy
+        assert llm.last_spec_metrics.total.num_drafts > 0
+    finally:
+        llm.shutdown()
 
 
 # ---- worker failures and validation -----------------------------------------------------------------

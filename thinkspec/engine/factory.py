@@ -173,14 +173,14 @@ def build_runners(args: EngineArgs, models: Models) -> Runners:
 def load_models(args: EngineArgs, tp: TPLayout) -> Models:
     """Target, tokenizer and draft (loaded before KV sizing: its weights count), with their kernels;
     rank tp.rank's shards of them (the tokenizer on rank 0 only)."""
-    from transformers import AutoTokenizer
-
     device = resolve_device(args.device)
     if tp.size > 1 and device.type == "cuda":
         device = torch.device("cuda", tp.rank)  # one GPU per rank
     model, info = load_model(args.model, args.dtype, device, args.load_format, tp)
     tokenizer = None
     if not args.skip_tokenizer_init and tp.rank == 0:
+        from transformers import AutoTokenizer  # here: workers (ranks > 0) skip its import time
+
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(info.path))
     eos = list(info.eos_token_ids)
     tok_eos = getattr(tokenizer, "eos_token_id", None)

@@ -18,7 +18,9 @@ from thinkspec.layers.linear import CheckpointSlice
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPLayout) -> None:
         self.row_start, rows = tp.vocab_shard(vocab_size)
-        super().__init__(rows, hidden_size)
+        # An uninitialised weight (the loader fills it): nn.Embedding's normal_ init on the meta
+        # device costs seconds of one-time imports in every fresh process.
+        super().__init__(rows, hidden_size, _weight=nn.Parameter(torch.empty(rows, hidden_size)))
         self.vocab_size = vocab_size
         self.tp = tp
 
