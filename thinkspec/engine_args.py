@@ -231,6 +231,12 @@ class EngineArgs:
             )
         _check_vllm_args(self)
 
+    @property
+    def draft_tp_size(self) -> int:
+        """Ranks the draft model is split over: draft_tensor_parallel_size, else tensor_parallel_size."""
+        draft = self.draft_tensor_parallel_size
+        return self.tensor_parallel_size if draft is None else draft
+
 
 def _check_vllm_args(a: EngineArgs) -> None:
     """vLLM's common arguments: wrong types and values thinkspec cannot honour are refused."""
@@ -272,15 +278,14 @@ def _check_vllm_args(a: EngineArgs) -> None:
 
 
 def _check_tensor_parallel(a: EngineArgs) -> None:
-    """tensor_parallel_size fits the devices; draft_tensor_parallel_size resolved (None -> the target's)."""
+    """tensor_parallel_size fits the devices; draft_tensor_parallel_size is None, 1 or the target's."""
     import torch
 
     from thinkspec.utils import resolve_device
 
     tp = a.tensor_parallel_size
-    if a.draft_tensor_parallel_size is None:
-        a.draft_tensor_parallel_size = tp
-    if a.draft_tensor_parallel_size not in (1, tp) or not _is_int(a.draft_tensor_parallel_size):
+    draft = a.draft_tensor_parallel_size
+    if draft is not None and (not _is_int(draft) or draft not in (1, tp)):
         raise ValueError(
             f"draft_tensor_parallel_size must be 1 or tensor_parallel_size ({tp}), "
             f"got {a.draft_tensor_parallel_size!r}"

@@ -40,7 +40,7 @@ def start_tp_workers(config: EngineArgs) -> TPWorkers | None:
         return None
     check_tensor_parallel_size(config.model, size, "tensor_parallel_size")
     spec = config.speculative_config
-    if spec is not None and spec.model is not None and config.draft_tensor_parallel_size == size:
+    if spec is not None and spec.model is not None and config.draft_tp_size == size:
         check_tensor_parallel_size(spec.model, size, "draft_tensor_parallel_size")
     device = resolve_device(config.device)
     if device.type == "cuda":

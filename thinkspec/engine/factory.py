@@ -191,7 +191,7 @@ def load_models(args: EngineArgs, tp: TPLayout) -> Models:
     )
     spec = args.speculative_config
     draft_model = draft_info = None
-    draft_split = args.draft_tensor_parallel_size == tp.size > 1
+    draft_split = args.draft_tp_size == tp.size > 1
     if spec is not None and spec.method == "draft_model" and (draft_split or tp.rank == 0):
         assert spec.model is not None
         draft_tp = tp if draft_split else TPLayout()
