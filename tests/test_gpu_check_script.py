@@ -89,3 +89,12 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "gemv: ok" in lines
     assert lines[-1] == "FAILED: 2 stage(s): spec_round,throughput"
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
+
+
+def test_tp_stage_runs_the_gpu_test_and_the_benchmark(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "tp", TP_SIZE="4", TP_ARGS="--parts allreduce,plain")
+    assert rc == 0, stdout
+    lines = summary.splitlines()
+    assert "tp_tests: ok 3 passed in 0.01s" in lines and "tp: ok" in lines
+    assert "fake run: benchmarks/bench_tp.py --tp 4 --out" in stdout
+    assert "--parts allreduce,plain" in stdout

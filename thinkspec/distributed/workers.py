@@ -72,7 +72,8 @@ def report_failure(errors: Any, rank: int) -> None:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for init_method)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -102,7 +103,7 @@ class TPWorkers:
         group as rank 0 on `device`."""
         ctx = mp.get_context("spawn")
         errors = ctx.Queue()
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         procs = [
             ctx.Process(
                 target=entry, args=(rank, size, init_method, args, errors), name=f"thinkspec-tp{rank}", daemon=True
