@@ -122,8 +122,12 @@ def _allreduce_rows(sizes_bytes: list[int], iters: int) -> list[dict]:
     group = dist.group.WORLD.group_name
     for nbytes in sizes_bytes:
         x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        row = {"bytes": nbytes, "nccl_eager_us": _time_calls(lambda: dist.all_reduce(x), iters)}
-        replay, calls = _in_graph(lambda: dist.all_reduce(x))
+
+        def nccl(x=x):
+            dist.all_reduce(x)
+
+        row = {"bytes": nbytes, "nccl_eager_us": _time_calls(nccl, iters)}
+        replay, calls = _in_graph(nccl)
         row["nccl_graph_us"] = _time_calls(replay, max(1, iters // calls)) / calls
         op = _symmetric_one_shot(nbytes // 2, group)
         if isinstance(op, str):
@@ -153,7 +157,13 @@ def _broadcast_rows(iters: int) -> list[dict]:
             header.tolist() if dist.get_rank() else None  # a worker reads the header on the host
             dist.broadcast(packed, src=0)
 
-        rows.append({"batch": batch, "packed_bytes": packed.numel() * 8, "header_and_inputs_us": _time_calls(step, iters)})
+        rows.append(
+            {
+                "batch": batch,
+                "packed_bytes": packed.numel() * 8,
+                "header_and_inputs_us": _time_calls(step, iters),
+            }
+        )
     return rows
 
 
@@ -161,7 +171,9 @@ def allreduce_worker(rank: int, size: int, init_method: str, sizes: list[int], i
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size, device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", init_method=init_method, rank=rank, world_size=size, device_id=torch.device("cuda", rank)
+    )
     try:
         rows, bcast = _allreduce_rows(sizes, iters), _broadcast_rows(iters)
         if rank == 0:
@@ -179,7 +191,9 @@ def measure_allreduce(tp: int, iters: int) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=allreduce_worker, args=(r, tp, init, sizes, iters, results)) for r in range(tp)]
+    procs = [
+        ctx.Process(target=allreduce_worker, args=(r, tp, init, sizes, iters, results)) for r in range(tp)
+    ]
     for p in procs:
         p.start()
     out = results.get(timeout=600)
@@ -225,7 +239,8 @@ def rank0_weight_bytes(llm: LLM) -> int:
 def engine_kwargs(args, max_batch: int) -> dict:
     cpu = args.device == "cpu"
     return dict(
-        device=args.device, dtype="float32" if cpu else "bfloat16", load_format="dummy", skip_tokenizer_init=True,
+        device=args.device, dtype="float32" if cpu else "bfloat16", load_format="dummy",
+        skip_tokenizer_init=True,
         max_num_seqs=max_batch, max_model_len=args.prompt_len + args.output_len + 2 * K + 8,
         gpu_memory_utilization=0.92,
     )  # fmt: skip
@@ -238,7 +253,13 @@ def run_plain(args, target: Path, prompts: list[list[int]], result: dict) -> Non
         floor_ms = rank0_weight_bytes(llm) / args.bandwidth * 1e3
         result["floor_ms_per_step"] = floor_ms
         for b, s in time_batches(llm, prompts, batches, args).items():
-            row = {"part": "plain", "tp": args.tp, "batch": b, "ms_per_step": s, "x_floor": s["median"] / floor_ms}
+            row = {
+                "part": "plain",
+                "tp": args.tp,
+                "batch": b,
+                "ms_per_step": s,
+                "x_floor": s["median"] / floor_ms,
+            }
             result["rows"].append(row)
             print(f"  plain TP={args.tp} batch {b}: {s['median']:.2f} ms/step ({row['x_floor']:.2f}x floor)")
     finally:
@@ -253,7 +274,8 @@ def run_spec(args, target: Path, draft: Path, prompts: list[list[int]], result: 
             raise SystemExit(f"--draft-modes: {mode!r} is neither 'tp' nor 'replicated'")
         spec = {"model": str(draft), "num_speculative_tokens": K, "synthetic_acceptance_rate": 0.5}
         llm = LLM(
-            str(target), tensor_parallel_size=args.tp, draft_tensor_parallel_size=args.tp if mode == "tp" else 1,
+            str(target), tensor_parallel_size=args.tp,
+            draft_tensor_parallel_size=args.tp if mode == "tp" else 1,
             speculative_config=spec, **engine_kwargs(args, max(batches)),
         )  # fmt: skip
         try:
@@ -287,12 +309,18 @@ def run_qwen3(args, qwen: Path, prompts: list[list[int]], result: dict) -> None:
         ms: dict[int, list[float]] = {1: [], args.tp: []}
         for _ in range(args.repeats):
             for size, llm in ((1, one), (args.tp, split)):
-                ms[size].append(decode_seconds(llm, prompts[:1], args.output_len) / (args.output_len - 1) * 1e3)
+                ms[size].append(
+                    decode_seconds(llm, prompts[:1], args.output_len) / (args.output_len - 1) * 1e3
+                )
         s1, s2 = summary(ms[1]), summary(ms[args.tp])
-        row = {"part": "qwen3", "tp": args.tp, "batch": 1, "tp1_ms_per_step": s1, f"tp{args.tp}_ms_per_step": s2,
+        row = {"part": "qwen3", "tp": args.tp, "batch": 1, "tp1_ms_per_step": s1,
+               f"tp{args.tp}_ms_per_step": s2,
                "speedup": s1["median"] / s2["median"]}  # fmt: skip
         result["rows"].append(row)
-        print(f"  Qwen3-8B batch 1: TP=1 {s1['median']:.2f} ms, TP={args.tp} {s2['median']:.2f} ms, x{row['speedup']:.2f}")
+        print(
+            f"  Qwen3-8B batch 1: TP=1 {s1['median']:.2f} ms, TP={args.tp} {s2['median']:.2f} ms, "
+            f"x{row['speedup']:.2f}"
+        )
     finally:
         split.shutdown()
         del one
@@ -302,7 +330,10 @@ def run_qwen3(args, qwen: Path, prompts: list[list[int]], result: dict) -> None:
 
 
 def print_table(result: dict) -> None:
-    print(f"tensor parallelism, {result['target']} TP={result['tp']}, floor {result.get('floor_ms_per_step') or 0:.2f} ms/step")
+    print(
+        f"tensor parallelism, {result['target']} TP={result['tp']}, "
+        f"floor {result.get('floor_ms_per_step') or 0:.2f} ms/step"
+    )
     for r in result.get("allreduce", {}).get("allreduce", []):
         sym = r.get("symm_one_shot_graph_us", r.get("symm_one_shot_eager_us", r.get("symm_mem")))
         sym = f"{sym:.1f}" if isinstance(sym, float) else str(sym)[:40]
@@ -313,11 +344,17 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         if r["part"] == "plain":
             s = r["ms_per_step"]
-            print(f"  plain  batch {r['batch']:>3}: {s['median']:.2f} ms/step [{s['min']:.2f}-{s['max']:.2f}] x{r['x_floor']:.2f} floor")
+            print(
+                f"  plain  batch {r['batch']:>3}: {s['median']:.2f} ms/step [{s['min']:.2f}-{s['max']:.2f}] "
+                f"x{r['x_floor']:.2f} floor"
+            )
         elif r["part"] == "spec":
             s = r["ms_per_token"]
-            print(f"  spec   {r['draft']:<10} AL {r['acceptance_length']:g} batch {r['batch']:>3}: {s['median']:.2f} ms/token "
-                  f"[{s['min']:.2f}-{s['max']:.2f}] ({r['tok_per_s_per_seq']:.1f} tok/s per sequence)")  # fmt: skip
+            print(
+                f"  spec   {r['draft']:<10} AL {r['acceptance_length']:g} batch {r['batch']:>3}: "
+                f"{s['median']:.2f} ms/token [{s['min']:.2f}-{s['max']:.2f}] "
+                f"({r['tok_per_s_per_seq']:.1f} tok/s per sequence)"
+            )
         else:
             print(f"  Qwen3-8B batch 1: speed-up TP={r.get('tp', '')} over TP=1 x{r['speedup']:.2f}")
 
@@ -356,7 +393,9 @@ def main() -> None:
         vocab = 1024 if args.small else LLAMA_VOCAB
         target = write_config(Path(tmp) / "target", SMALL if args.small else TARGETS[args.target], vocab)
         draft = write_config(Path(tmp) / "draft", SMALL if args.small else LLAMA3_8B, vocab)
-        qwen = write_config(Path(tmp) / "qwen3", SMALL if args.small else QWEN3_8B, vocab if args.small else QWEN_VOCAB)
+        qwen = write_config(
+            Path(tmp) / "qwen3", SMALL if args.small else QWEN3_8B, vocab if args.small else QWEN_VOCAB
+        )
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, min(vocab, 32000), (64, args.prompt_len), generator=gen).tolist()
         if "plain" in parts:

@@ -98,7 +98,9 @@ def test_qwen3_tp2_draft_model_strict_and_relaxed_equal_tp1(qwen3, qwen3_draft):
         llm.shutdown()
     assert relaxed == relaxed_tp1
     assert m2.phase("thinking").num_relaxed_accepted_tokens > 0  # the relaxation did act
-    assert m2.phase("thinking").num_relaxed_accepted_tokens == m1.phase("thinking").num_relaxed_accepted_tokens
+    assert (
+        m2.phase("thinking").num_relaxed_accepted_tokens == m1.phase("thinking").num_relaxed_accepted_tokens
+    )
     assert relaxed != greedy
 
 
@@ -106,7 +108,11 @@ def test_qwen3_tp4_replicated_draft_equals_tp1(qwen3, qwen3_draft):
     spec = {"model": str(qwen3_draft), "num_speculative_tokens": K}
     greedy, _ = _run(qwen3, GREEDY)
     llm = LLM(
-        str(qwen3), device="cpu", tensor_parallel_size=4, draft_tensor_parallel_size=1, speculative_config=spec
+        str(qwen3),
+        device="cpu",
+        tensor_parallel_size=4,
+        draft_tensor_parallel_size=1,
+        speculative_config=spec,
     )
     pids = _worker_pids(llm)
     try:
@@ -207,7 +213,9 @@ def test_sizes_that_do_not_split_the_model_are_refused_before_any_process_starts
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_attention_heads=4"):
         LLM(str(qwen3), device="cpu", tensor_parallel_size=3)
     spec = {"model": str(qwen3_draft), "num_speculative_tokens": K}
-    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size must be 1 or tensor_parallel_size \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"draft_tensor_parallel_size must be 1 or tensor_parallel_size \(2\)"
+    ):
         EngineArgs(str(qwen3), device="cpu", tensor_parallel_size=2, draft_tensor_parallel_size=4)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide num_attention_heads=4"):
         LLM(str(qwen3), device="cpu", tensor_parallel_size=8, speculative_config=spec)

@@ -294,7 +294,9 @@ def _check_tensor_parallel(a: EngineArgs) -> None:
         return
     if resolve_device(a.device).type == "cuda":
         if a.device not in ("auto", "cuda", "cuda:0"):
-            raise ValueError(f"tensor_parallel_size={tp} runs rank r on cuda:r; device must be 'cuda', got {a.device!r}")
+            raise ValueError(
+                f"tensor_parallel_size={tp} runs rank r on cuda:r; device must be 'cuda', got {a.device!r}"
+            )
         if tp > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible "

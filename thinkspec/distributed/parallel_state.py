@@ -25,8 +25,7 @@ class TPLayout:
         """total / size for a dimension split evenly over the ranks; ValueError when it does not divide."""
         if total % self.size:
             raise ValueError(
-                f"tensor_parallel_size={self.size} must divide {what}={total} "
-                f"(allowed: a divisor of {total})"
+                f"tensor_parallel_size={self.size} must divide {what}={total} (allowed: a divisor of {total})"
             )
         return total // self.size
 

@@ -10,6 +10,7 @@ collective fails, and when rank 0's process disappears (each worker watches its 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -66,10 +67,8 @@ def exit_with_parent() -> None:
 
 def report_failure(errors: Any, rank: int) -> None:
     """In a worker, from an except block: send the traceback to rank 0."""
-    try:
+    with contextlib.suppress(Exception):  # the queue's reader may be gone already
         errors.put((rank, traceback.format_exc()))
-    except Exception:  # noqa: BLE001 - the queue's reader may be gone already
-        pass
 
 
 def free_port() -> int:
@@ -106,7 +105,10 @@ class TPWorkers:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         procs = [
             ctx.Process(
-                target=entry, args=(rank, size, init_method, args, errors), name=f"thinkspec-tp{rank}", daemon=True
+                target=entry,
+                args=(rank, size, init_method, args, errors),
+                name=f"thinkspec-tp{rank}",
+                daemon=True,
             )
             for rank in range(1, size)
         ]

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from thinkspec.engine.async_scheduling import InFlight, TokenCopies
 from thinkspec.distributed.workers import TPWorkers
+from thinkspec.engine.async_scheduling import InFlight, TokenCopies
 from thinkspec.engine.factory import build_engine_parts
 from thinkspec.engine.faults import recover_from_step_fault
 from thinkspec.engine.parallel_sampling import ParentRequest, child_id, child_params

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from thinkspec.engine.cuda_graph import CUDAGraphCache, GraphSpec, InputLayout, pack_batch
 from thinkspec.distributed.step_channel import StepChannel, StepHeader
+from thinkspec.engine.cuda_graph import CUDAGraphCache, GraphSpec, InputLayout, pack_batch
 from thinkspec.engine.sequence import Sequence
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context

@@ -51,7 +51,9 @@ class ColumnParallelLinear(Linear):
     """Output features [row_start, row_start + out_features) of a checkpoint projection of
     `full_out` features (rows past full_out are padding the loader leaves at zero)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, *, row_start: int, full_out: int) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, *, row_start: int, full_out: int
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.row_start = row_start
         self.full_out = full_out
