@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,9 +21,10 @@ import torch
 import torch.distributed as dist
 from checkpoints import END_THINK_ID, THINK_ID, noisy_copy, tiny_checkpoint
 
+import thinkspec
 from thinkspec import LLM, SamplingParams
 from thinkspec.distributed.step_channel import TensorParallelError
-from thinkspec.distributed.workers import TPWorkers, init_distributed, report_failure
+from thinkspec.distributed.workers import TPWorkers, exit_with_parent, init_distributed, report_failure
 from thinkspec.engine_args import EngineArgs
 
 K = 4
@@ -206,6 +209,41 @@ def test_worker_error_reaches_rank0_with_its_message():
         workers.shutdown()
     assert not [p for p in workers.procs if _alive(p.pid)]
     assert not dist.is_initialized()
+
+
+def _idle_worker(rank: int, size: int, init_method: str, args: object, errors: object) -> None:
+    exit_with_parent()
+    init_distributed(rank, size, init_method, torch.device("cpu"))
+    while True:  # no collective to fail: only the parent watch can end this process
+        time.sleep(1)
+
+
+RANK0_SCRIPT = """
+import sys, time, torch
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_tensor_parallel import _idle_worker
+from thinkspec.distributed.workers import TPWorkers
+workers = TPWorkers.start(2, None, torch.device("cpu"), _idle_worker)
+print(workers.procs[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_rank0_is_killed():
+    tests = str(Path(__file__).parent)
+    root = str(Path(thinkspec.__file__).resolve().parent.parent)  # this checkout's package
+    code = RANK0_SCRIPT.format(tests=tests, root=root)
+    rank0 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tests)
+    try:
+        worker = int(rank0.stdout.readline())
+        assert _alive(worker)
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
 
 
 def test_sizes_that_do_not_split_the_model_are_refused_before_any_process_starts(qwen3, qwen3_draft):
