@@ -170,7 +170,8 @@ def _close(procs: list[Any], device: torch.device) -> None:
                 _send_exit(device)
             except Exception as e:  # noqa: BLE001 - a worker died meanwhile: stopped below
                 logger.warning("tensor-parallel shutdown: %s", e)
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # an aborted group may refuse; it is gone either way
+            dist.destroy_process_group()
     _stop_processes(procs)
 
 

@@ -8,6 +8,7 @@ its own TPLayout: the same collectives in the same order), then runs every step 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -24,6 +25,8 @@ from thinkspec.utils import logger, resolve_device
 def run_worker(rank: int, size: int, init_method: str, args: EngineArgs, errors: Any) -> None:
     """Process entry of rank `rank` (spawned by distributed.workers.TPWorkers.start)."""
     exit_with_parent()
+    # Ctrl-C reaches the whole process group: rank 0 decides (a server drains first, then stops us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logger.setLevel(logging.WARNING)  # rank 0 logs for the engine
     try:
         device = resolve_device(args.device)
