@@ -12,6 +12,10 @@ device in one copy. Given a GraphSpec (CUDA only), steps whose shape fits a capt
 (decode, verification windows, draft steps) replay a CUDA graph instead of running eagerly; see
 cuda_graph.py.
 
+Tensor parallelism: a runner of a split model holds this rank's KV heads. On rank 0 it has a
+StepChannel and execute_model broadcasts each packed step before running it; the other ranks' runners
+run the same step from the broadcast (run_step, driven by engine/tp_worker.py).
+
 Pool size: on CPU, `kv_cache_memory` bytes (default 256 MiB). On GPU, `gpu_memory_utilization`
 is the fraction of the device's total memory this process may use, as in vLLM: after the models
 are loaded, a profile forward of max_num_batched_tokens tokens measures the peak; the pool gets
