@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import astuple
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,12 @@ import torch.multiprocessing as mp
 from thinkspec.distributed.step_channel import EXIT, StepHeader, TensorParallelError
 from thinkspec.utils import logger
 
-INIT_TIMEOUT = timedelta(minutes=10)  # rendezvous, then every collective (loading 70B-class shards)
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank reaches the store
+# Collectives: workers wait for rank 0's next step inside a broadcast, for as long as an idle server
+# stays idle, so no collective times out (NCCL's watchdog would end the process). A dead rank is
+# caught otherwise: gloo fails on the closed connection, NCCL is aborted by TPWorkers' monitor, and
+# workers watch their parent.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
 JOIN_TIMEOUT_S = 10.0
 
 # rank, world size, init_method, engine args, error queue
@@ -47,8 +53,13 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    address = urlparse(init_method)  # tcp://host:port
+    assert address.hostname is not None and address.port is not None, init_method
+    store = dist.TCPStore(
+        address.hostname, address.port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT
+    )
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size, timeout=INIT_TIMEOUT,
+        backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
         **({"device_id": device} if device.type == "cuda" else {}),
     )  # fmt: skip
 
