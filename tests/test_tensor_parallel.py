@@ -211,6 +211,22 @@ def test_worker_error_reaches_rank0_with_its_message():
     assert not dist.is_initialized()
 
 
+def _worker_failing_before_rendezvous(rank: int, size: int, init_method: str, args: object, errors) -> None:
+    try:
+        raise RuntimeError(f"no device for rank {rank}")
+    except RuntimeError:
+        report_failure(errors, rank)
+        raise SystemExit(1) from None
+
+
+def test_worker_failing_before_the_rendezvous_fails_the_start_at_once():
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="(?s)worker rank 1 failed.*no device for rank 1"):
+        TPWorkers.start(2, None, torch.device("cpu"), _worker_failing_before_rendezvous)
+    assert time.monotonic() - start < 30  # not the rendezvous timeout
+    assert not dist.is_initialized()
+
+
 def _idle_worker(rank: int, size: int, init_method: str, args: object, errors: object) -> None:
     exit_with_parent()
     init_distributed(rank, size, init_method, torch.device("cpu"))

@@ -43,8 +43,20 @@ JOIN_TIMEOUT_S = 10.0
 WorkerEntry = Callable[[int, int, str, Any, Any], None]
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    """Join the default group: NCCL on CUDA (rank r on cuda:r), gloo on CPU."""
+_JOINED = "thinkspec/joined"  # store counter: workers that reached the rendezvous
+
+
+def init_distributed(
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    check_workers: Callable[[], None] | None = None,
+) -> None:
+    """Join the default group: NCCL on CUDA (rank r on cuda:r), gloo on CPU.
+
+    Rank 0 hosts the rendezvous store and, while it waits for the workers to reach it, calls
+    check_workers, which raises when a worker has already failed (no wait for the timeout)."""
     if dist.is_initialized():
         raise TensorParallelError(
             "a tensor-parallel engine is already running in this process; shut it down "
@@ -56,8 +68,21 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
     address = urlparse(init_method)  # tcp://host:port
     assert address.hostname is not None and address.port is not None, init_method
     store = dist.TCPStore(
-        address.hostname, address.port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT
-    )
+        address.hostname, address.port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
+        wait_for_workers=False,
+    )  # fmt: skip
+    if rank > 0:
+        store.add(_JOINED, 1)
+    else:
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+        while store.add(_JOINED, 0) < size - 1:
+            if check_workers is not None:
+                check_workers()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel workers did not start within {RENDEZVOUS_TIMEOUT}"
+                )
+            time.sleep(0.02)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
         **({"device_id": device} if device.type == "cuda" else {}),
@@ -127,12 +152,17 @@ class TPWorkers:
             p.start()
         workers = cls(procs, errors, device)
         try:
-            init_distributed(0, size, init_method, device)
+            init_distributed(0, size, init_method, device, workers.raise_if_failed)
         except BaseException:
             workers.shutdown()
             raise
         logger.info("tensor parallelism: %d ranks (%s)", size, dist.get_backend())
         return workers
+
+    def raise_if_failed(self) -> None:
+        """TensorParallelError with the failed worker's message when a worker has exited."""
+        if any(not p.is_alive() for p in self.procs):
+            raise self.failure(RuntimeError("a worker exited"))
 
     def failure(self, error: BaseException, wait_s: float = 5.0) -> TensorParallelError:
         """The error to raise after `error` broke a collective: the first failed worker's message
