@@ -98,3 +98,9 @@ def test_tp_stage_runs_the_gpu_test_and_the_benchmark(tmp_path):
     assert "tp_tests: ok 3 passed in 0.01s" in lines and "tp: ok" in lines
     assert "fake run: benchmarks/bench_tp.py --tp 4 --out" in stdout
     assert "--parts allreduce,plain" in stdout
+
+
+def test_tp_stage_can_skip_its_test(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "tp", TP_TESTS="0")
+    assert rc == 0, stdout
+    assert "tp: ok" in summary.splitlines() and "tp_tests" not in summary
