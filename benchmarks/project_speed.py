@@ -20,7 +20,10 @@ from thinkspec.bench.projection import costs_from_spec_round, profiles_from_swee
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", required=True, help="sweep.json of `thinkspec sweep`")
-    p.add_argument("--costs", required=True, help="JSON of benchmarks/bench_spec_round.py or benchmarks/validate_projection.py")
+    p.add_argument(
+        "--costs", required=True,
+        help="JSON of benchmarks/bench_spec_round.py or benchmarks/validate_projection.py",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="PNG of projected tok/s against batch size")
     args = p.parse_args()

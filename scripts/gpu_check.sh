@@ -33,6 +33,11 @@
 #               SWEEP_N, SWEEP_TEMPS, SWEEP_RATIOS, SWEEP_TOPKS, SWEEP_EXTRA, SWEEP_REPEATS, SWEEP_BATCHES,
 #               SWEEP_HF, SWEEP_ARGS
 #               (SWEEP_LEVEL=hard: the hard level, with its own max_tokens)
+#   tp          tensor parallelism (needs >= TP_SIZE GPUs, default 2): the TP=2 vs TP=1 bf16 GPU test,
+#               then benchmarks/bench_tp.py (all-reduce latency, Llama-3-70B shape step time vs the
+#               per-GPU floor, with a Llama-3-8B draft TP / replicated, Qwen3-8B TP vs TP=1) into
+#               $OUT/tp.json; TP_ARGS go to bench_tp.py (e.g. "--parts allreduce,plain"; at 8 GPUs
+#               TP_SIZE=8 TP_ARGS="--target llama3-405b --batch-sizes 1 ..."); TP_TESTS=0 skips the test
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 PY=${PYTHON:-python3}
@@ -217,6 +222,19 @@ if has sweep; then
   mkdir -p "$OUT/sweep" && cp "$dir"/* "$OUT/sweep/" 2>/dev/null
 fi
 
+if has tp; then
+  if [ "${TP_TESTS:-1}" != 0 ]; then
+    timeout "${TP_TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel_gpu.py \
+      2>&1 | tee "$OUT/tp_tests.log"
+    rc=${PIPESTATUS[0]}
+    record tp_tests "$rc" "${TP_TESTS_TIMEOUT:-300}" \
+      "$(grep -E '(passed|failed|error|no tests ran)' "$OUT/tp_tests.log" | tail -1)"
+  fi
+  timeout "${TP_TIMEOUT:-1500}" $PY benchmarks/bench_tp.py --tp "${TP_SIZE:-2}" --out "$OUT/tp.json" ${TP_ARGS:-} \
+    2>&1 | tee "$OUT/tp.log"
+  record tp "${PIPESTATUS[0]}" "${TP_TIMEOUT:-1500}"
+fi
+
 if [ ${#failed[@]} -gt 0 ]; then
   note "FAILED: ${#failed[@]} stage(s): $(IFS=,; echo "${failed[*]}")"
 else
@@ -232,7 +250,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round projection adaptive throughput gemv acceptance step toy_quality sweep; do
+for f in spec_round projection adaptive throughput gemv acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

@@ -279,3 +279,18 @@ class PagedHarness:
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget every token of `seq_id` from position `length` on (their slots get overwritten)."""
         self.lens[seq_id] = min(self.lens[seq_id], length)
+
+
+def noisy_copy(src: Path, dst: Path, noise: float, seed: int = 7) -> Path:
+    """A copy of checkpoint src with N(0, noise) added to every weight: a draft that agrees with
+    the target often, not always."""
+    from safetensors.torch import load_file, save_file
+
+    if dst.exists():
+        return dst
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

@@ -96,7 +96,16 @@ def test_cli_help_needs_no_torch():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported"),
+        (
+            {"tensor_parallel_size": 2, "draft_tensor_parallel_size": 3},
+            r"draft_tensor_parallel_size must be 1 or tensor_parallel_size \(2\), got 3",
+        ),
+        ({"draft_tensor_parallel_size": 0}, r"draft_tensor_parallel_size must be 1 or tensor_parallel_size"),
+        (
+            {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                               "adaptive_k": True}},
+            r"adaptive_k=True is not supported with tensor_parallel_size=2",
+        ),  # fmt: skip
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
         ({"quantization": "fp8"}, "quantization='fp8' is not supported"),
         ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),

@@ -100,3 +100,18 @@ def test_adaptive_stage_passes_its_args_and_is_time_boxed(tmp_path):
     )
     rc, _, summary = _run(tmp_path, "adaptive", FAKE_HANG="bench_adaptive", ADAPTIVE_TIMEOUT="1")
     assert rc != 0 and "adaptive: TIMED OUT after 1s" in summary.splitlines()
+
+
+def test_tp_stage_runs_the_gpu_test_and_the_benchmark(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "tp", TP_SIZE="4", TP_ARGS="--parts allreduce,plain")
+    assert rc == 0, stdout
+    lines = summary.splitlines()
+    assert "tp_tests: ok 3 passed in 0.01s" in lines and "tp: ok" in lines
+    assert "fake run: benchmarks/bench_tp.py --tp 4 --out" in stdout
+    assert "--parts allreduce,plain" in stdout
+
+
+def test_tp_stage_can_skip_its_test(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "tp", TP_TESTS="0")
+    assert rc == 0, stdout
+    assert "tp: ok" in summary.splitlines() and "tp_tests" not in summary

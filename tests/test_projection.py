@@ -71,7 +71,8 @@ def test_script_reads_spec_round_json(tmp_path):
     costs.write_text(json.dumps({"rows": [{"batch": 1, "k": 4, "decode_ms": 4.0, "draft_step_ms": 1.0,
                                            "verify_ms": 4.0}]}))  # fmt: skip
     assert costs_from_spec_round(json.loads(costs.read_text()))[0].round_ms == 8.0
-    check = {"k": 2, "costs": [{"batch": 16, "plain_ms": 5.0, "draft_ms": 1.5, "verify_ms": 6.0, "round_ms": 9.0}]}
+    cost = {"batch": 16, "plain_ms": 5.0, "draft_ms": 1.5, "verify_ms": 6.0, "round_ms": 9.0}
+    check = {"k": 2, "costs": [cost]}
     (c,) = costs_from_spec_round(check)  # the costs validate_projection.py measured beside the engine
     assert (c.batch, c.k, c.plain_ms, c.round_ms) == (16, 2, 5.0, 9.0)
     out = tmp_path / "p.json"

@@ -144,7 +144,17 @@ class EngineArgs:
     chat_template: str | None = _option(
         None, "chat template used by chat requests: a file, or the template itself (default: the tokenizer's)"
     )
-    tensor_parallel_size: int = _option(1, "GPUs per model; only 1 is supported", flags=("-tp",))
+    tensor_parallel_size: int = _option(
+        1,
+        "ranks the target model is split over: one process and one GPU each (gloo processes on CPU); "
+        "it must divide the model's attention heads and MLP width",
+        flags=("-tp",),
+    )
+    draft_tensor_parallel_size: int | None = _option(
+        None,
+        "ranks the draft model is split over: tensor_parallel_size (the default) or 1, the whole "
+        "draft on rank 0",
+    )
     pipeline_parallel_size: int = _option(1, "pipeline stages; only 1 is supported", flags=("-pp",))
     quantization: str | None = _option(None, "weight quantization; none is supported (weights run as dtype)")
     cpu_offload_gb: float = _option(0.0, "weights kept in CPU memory, in GiB; only 0 is supported")
@@ -227,6 +237,12 @@ class EngineArgs:
             )
         _check_vllm_args(self)
 
+    @property
+    def draft_tp_size(self) -> int:
+        """Ranks the draft model is split over: draft_tensor_parallel_size, else tensor_parallel_size."""
+        draft = self.draft_tensor_parallel_size
+        return self.tensor_parallel_size if draft is None else draft
+
 
 def _check_vllm_args(a: EngineArgs) -> None:
     """vLLM's common arguments: wrong types and values thinkspec cannot honour are refused."""
@@ -246,8 +262,9 @@ def _check_vllm_args(a: EngineArgs) -> None:
         value = getattr(a, name)
         if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if value > 1:
-            raise ValueError(f"{name}={value} is not supported: thinkspec runs a model on one device")
+    if a.pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size={a.pipeline_parallel_size} is not supported (only 1)")
+    _check_tensor_parallel(a)
     if a.quantization is not None:
         raise ValueError(f"quantization={a.quantization!r} is not supported: weights run unquantized")
     for name in ("cpu_offload_gb", "swap_space"):
@@ -264,6 +281,39 @@ def _check_vllm_args(a: EngineArgs) -> None:
         raise ValueError(f"max_logprobs must be an integer >= -1, got {a.max_logprobs!r}")
     if a.chat_template is not None and a.skip_tokenizer_init:
         raise ValueError("chat_template needs the tokenizer; it cannot be used with skip_tokenizer_init")
+
+
+def _check_tensor_parallel(a: EngineArgs) -> None:
+    """tensor_parallel_size fits the devices; draft_tensor_parallel_size is None, 1 or the target's."""
+    import torch
+
+    from thinkspec.utils import resolve_device
+
+    tp = a.tensor_parallel_size
+    draft = a.draft_tensor_parallel_size
+    if draft is not None and (not _is_int(draft) or draft not in (1, tp)):
+        raise ValueError(
+            f"draft_tensor_parallel_size must be 1 or tensor_parallel_size ({tp}), "
+            f"got {a.draft_tensor_parallel_size!r}"
+        )
+    if tp == 1:
+        return
+    if a.speculative_config is not None and a.speculative_config.adaptive_k:
+        # Its cost model times graph replays on rank 0 alone, which a split model cannot run.
+        raise ValueError(
+            f"speculative_config.adaptive_k=True is not supported with tensor_parallel_size={tp} "
+            "(allowed: tensor_parallel_size=1)"
+        )
+    if resolve_device(a.device).type == "cuda":
+        if a.device not in ("auto", "cuda", "cuda:0"):
+            raise ValueError(
+                f"tensor_parallel_size={tp} runs rank r on cuda:r; device must be 'cuda', got {a.device!r}"
+            )
+        if tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible "
+                f"(allowed: 1..{torch.cuda.device_count()})"
+            )
 
 
 def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> SpeculativeConfig | None:

@@ -53,6 +53,10 @@ class LLM:
         self.engine_args = args
         self.last_spec_metrics: SpecDecodeMetrics | None = None
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (deleting the LLM does it too)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from thinkspec.distributed.workers import TPWorkers
 from thinkspec.engine.async_scheduling import InFlight, TokenCopies
 from thinkspec.engine.factory import build_engine_parts
 from thinkspec.engine.faults import recover_from_step_fault
@@ -18,14 +19,33 @@ from thinkspec.engine.request_checks import check_prompt_input, check_stop_token
 from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_step_logprobs, sample_with_extras
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
 from thinkspec.engine.sequence import Sequence
+from thinkspec.engine.tp_worker import run_worker
 from thinkspec.engine_args import EngineArgs
+from thinkspec.models.loader import check_tensor_parallel_size
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
-from thinkspec.utils import logger
+from thinkspec.utils import logger, resolve_device
 
 PromptType = str | list[int] | Mapping[str, Any]
+
+
+def start_tp_workers(config: EngineArgs) -> TPWorkers | None:
+    """Ranks 1..N-1 of a tensor-parallel engine, started before rank 0 loads anything (every rank
+    loads its own shards at once); None for tensor_parallel_size 1. The model's head counts are
+    checked first, so a size that cannot split it fails here with a ValueError."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    check_tensor_parallel_size(config.model, size, "tensor_parallel_size")
+    spec = config.speculative_config
+    if spec is not None and spec.model is not None and config.draft_tp_size == size:
+        check_tensor_parallel_size(spec.model, size, "draft_tensor_parallel_size")
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", 0)
+    return TPWorkers.start(size, config, device, run_worker)
 
 
 def _is_int(value: Any) -> bool:
@@ -35,7 +55,21 @@ def _is_int(value: Any) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineArgs) -> None:
         self.config = config
-        parts = build_engine_parts(config)  # see factory.py for what each part is
+        self.tp_workers = start_tp_workers(config)  # None without tensor parallelism
+        try:
+            parts = build_engine_parts(config)  # see factory.py for what each part is
+        except BaseException as e:
+            if self.tp_workers is None:
+                raise
+            workers, self.tp_workers = self.tp_workers, None
+            error = e if isinstance(e, (ValueError, TypeError)) else workers.failure(e)
+            workers.shutdown()
+            if error is e:
+                raise
+            raise error from e
+        if self.tp_workers is not None:  # the target's channel, shared by a split draft
+            assert parts.model_runner.channel is not None
+            parts.model_runner.channel.explain = self.tp_workers.failure
         m = parts.models
         self.device, self.model, self.model_info, self.tokenizer = m.device, m.model, m.info, m.tokenizer
         self.eos_token_ids, self.draft_model, self.draft_info = m.eos_token_ids, m.draft_model, m.draft_info
@@ -63,6 +97,11 @@ class LLMEngine:
             parts.num_blocks, config.block_size, parts.num_blocks * m.bytes_per_block / 2**20,
             self.max_model_len, self.attention_backend, "on" if self.use_cuda_graphs else "off",
         )  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); the engine cannot step after."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -2,6 +2,11 @@
 
 Order matters on a GPU: both models are loaded (their weights count) and the CUDA-graph memory is
 measured before the KV pool takes what gpu_memory_utilization leaves (see model_runner.py).
+
+Tensor parallelism: every rank runs load_models and build_runners with its own TPLayout (the same
+collectives in the same order: profile forward, graph captures, the minimum of the ranks' KV block
+counts); rank 0 alone builds the tokenizer, scheduler, sampler and speculator. A draft with
+draft_tensor_parallel_size 1 lives on rank 0 only, whole.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from thinkspec.distributed.parallel_state import TPLayout
+from thinkspec.distributed.step_channel import StepChannel
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
 from thinkspec.engine.model_runner import (
@@ -59,16 +66,31 @@ class Models:
     """The loaded models, tokenizer and what follows from them."""
 
     device: torch.device
+    tp: TPLayout  # this process's rank of the target
     model: nn.Module
     info: ModelInfo
     tokenizer: Any | None
     eos_token_ids: frozenset[int]
-    draft_model: nn.Module | None
+    draft_model: nn.Module | None  # None on ranks > 0 when the draft is not split
     draft_info: ModelInfo | None
+    draft_split: bool  # the draft is split over the ranks as the target is
     attention_backend: str
     use_cuda_graphs: bool
     bytes_per_block: int  # K/V of one block across the target's layers plus the draft's
     lookahead: int  # drafts per step (0 without speculation)
+
+
+@dataclass(slots=True)
+class Runners:
+    """KV sizing and the model runners of one rank."""
+
+    configured_len: int  # max_model_len as set, else the model's max_position_embeddings
+    max_model_len: int  # what a request may reach: configured_len capped by the KV pool
+    num_blocks: int
+    graph_memory_bytes: int
+    pool: object  # the graph pool shared by all graphs (None without graphs)
+    target: ModelRunner
+    draft: ModelRunner | None
 
 
 @dataclass(slots=True)
@@ -90,7 +112,41 @@ class EngineParts:
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
-    models = load_models(args)
+    """Rank 0's engine (the whole engine without tensor parallelism; with it, the workers of ranks
+    1..N-1 must already be running: see engine.py)."""
+    models = load_models(args, TPLayout(0, args.tensor_parallel_size))
+    run = build_runners(args, models)
+    info = models.info
+    kv_capacity = run.num_blocks * args.block_size
+    if args.max_model_len is not None and args.max_model_len > kv_capacity:
+        logger.warning(
+            "max_model_len=%d exceeds the KV cache capacity of %d tokens; requests are capped there",
+            args.max_model_len, kv_capacity,
+        )  # fmt: skip
+    block_manager = BlockManager(run.num_blocks, args.block_size, args.enable_prefix_caching)
+    reasoning = _resolve_reasoning(args, models)
+    scheduler = Scheduler(
+        block_manager, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=run.max_model_len, tokenizer=models.tokenizer,
+        tracker=reasoning.tracker() if reasoning is not None else None,
+    )  # fmt: skip
+    sampler = Sampler(args.seed, models.device)
+    speculator = None
+    if args.speculative_config is not None:
+        speculator = Speculator(
+            args.speculative_config, target_runner=run.target, draft_runner=run.draft, reasoning=reasoning,
+            sampler=sampler, vocab_size=info.vocab_size, max_model_len=run.max_model_len, seed=args.seed,
+            tokenizer=models.tokenizer,
+        )  # fmt: skip
+    return EngineParts(
+        models, run.configured_len, run.max_model_len, kv_capacity, run.num_blocks, run.graph_memory_bytes,
+        run.target, block_manager, scheduler, sampler, reasoning, speculator,
+    )  # fmt: skip
+
+
+def build_runners(args: EngineArgs, models: Models) -> Runners:
+    """KV sizing and runners (every rank; see the module docstring). On a split model the runners
+    get a StepChannel: rank 0's send each step to the other ranks, theirs receive it."""
     info = models.info
     if args.max_model_len is not None and args.max_model_len > info.max_position_embeddings:
         raise ValueError(
@@ -102,72 +158,66 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if models.use_cuda_graphs and args.kv_cache_memory is None:
         graph_memory = _measure_graph_memory(args, models, configured_len)
     num_blocks = _num_kv_blocks(args, models, configured_len, graph_memory)
-    kv_capacity = num_blocks * args.block_size
-    max_model_len = min(configured_len, kv_capacity)
-    if args.max_model_len is not None and args.max_model_len > kv_capacity:
-        logger.warning(
-            "max_model_len=%d exceeds the KV cache capacity of %d tokens; requests are capped there",
-            args.max_model_len, kv_capacity,
-        )  # fmt: skip
+    max_model_len = min(configured_len, num_blocks * args.block_size)
     pool = torch.cuda.graph_pool_handle() if models.use_cuda_graphs else None  # shared by all graphs
-    runner = ModelRunner.for_model(
+    channel = StepChannel(models.device, models.tp.rank) if models.tp.size > 1 else None
+    target = ModelRunner.for_model(
         models.model, info, num_blocks=num_blocks, block_size=args.block_size, device=models.device,
         graphs=graph_spec(
             args, models, target_graph_widths(models.lookahead, _adaptive(args)), max_model_len, pool
         ),
+        channel=channel, runner_index=0,
     )  # fmt: skip
-    block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-    reasoning = _resolve_reasoning(args, models)
-    scheduler = Scheduler(
-        block_manager, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len, tokenizer=models.tokenizer,
-        tracker=reasoning.tracker() if reasoning is not None else None,
-    )  # fmt: skip
-    sampler = Sampler(args.seed, models.device)
-    speculator = None
-    if args.speculative_config is not None:
-        sizes = (num_blocks, max_model_len)
-        speculator = _build_speculator(args, models, runner, sampler, reasoning, *sizes, pool)
-    return EngineParts(
-        models, configured_len, max_model_len, kv_capacity, num_blocks, graph_memory, runner, block_manager,
-        scheduler, sampler, reasoning, speculator,
-    )  # fmt: skip
+    draft = None
+    if models.draft_model is not None:
+        assert models.draft_info is not None
+        draft = ModelRunner.for_model(
+            models.draft_model, models.draft_info, num_blocks=num_blocks, block_size=args.block_size,
+            device=models.device, graphs=graph_spec(args, models, DRAFT_GRAPH_WIDTHS, max_model_len, pool),
+            channel=channel if models.draft_split else None, runner_index=1,
+        )  # fmt: skip
+    return Runners(configured_len, max_model_len, num_blocks, graph_memory, pool, target, draft)
 
 
-def load_models(args: EngineArgs) -> Models:
-    """Target, tokenizer and draft (loaded before KV sizing: its weights count), with their kernels."""
-    from transformers import AutoTokenizer
-
+def load_models(args: EngineArgs, tp: TPLayout) -> Models:
+    """Target, tokenizer and draft (loaded before KV sizing: its weights count), with their kernels;
+    rank tp.rank's shards of them (the tokenizer on rank 0 only)."""
     device = resolve_device(args.device)
-    model, info = load_model(args.model, args.dtype, device, args.load_format)
+    if tp.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", tp.rank)  # one GPU per rank
+    model, info = load_model(args.model, args.dtype, device, args.load_format, tp)
     tokenizer = None
-    if not args.skip_tokenizer_init:
+    if not args.skip_tokenizer_init and tp.rank == 0:
+        from transformers import AutoTokenizer  # here: workers (ranks > 0) skip its import time
+
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(info.path))
     eos = list(info.eos_token_ids)
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in eos:
         eos.append(tok_eos)
     bytes_per_block = kv_cache_bytes_per_block(
-        info.num_layers, args.block_size, info.num_kv_heads, info.head_dim, info.dtype
+        info.num_layers, args.block_size, info.kv_heads_per_rank, info.head_dim, info.dtype
     )
     spec = args.speculative_config
     draft_model = draft_info = None
-    if spec is not None and spec.method == "draft_model":
+    draft_split = args.draft_tp_size == tp.size > 1
+    if spec is not None and spec.method == "draft_model" and (draft_split or tp.rank == 0):
         assert spec.model is not None
-        draft_model, draft_info = load_model(spec.model, info.dtype, device, args.load_format)
+        draft_tp = tp if draft_split else TPLayout()
+        draft_model, draft_info = load_model(spec.model, info.dtype, device, args.load_format, draft_tp)
         check_draft_compatible(tokenizer, info, draft_info)
         d = draft_info
         # Both pools share the block tables, so one block costs the sum of the two.
         bytes_per_block += kv_cache_bytes_per_block(
-            d.num_layers, args.block_size, d.num_kv_heads, d.head_dim, d.dtype
+            d.num_layers, args.block_size, d.kv_heads_per_rank, d.head_dim, d.dtype
         )
     backend = resolve_attention_backend(args.attention_backend, device)
     if backend == "triton":
         for m in (m for m in (model, draft_model) if m is not None):
             use_triton_kernels(m)
     return Models(
-        device=device, model=model, info=info, tokenizer=tokenizer, eos_token_ids=frozenset(eos),
-        draft_model=draft_model, draft_info=draft_info, attention_backend=backend,
+        device=device, tp=tp, model=model, info=info, tokenizer=tokenizer, eos_token_ids=frozenset(eos),
+        draft_model=draft_model, draft_info=draft_info, draft_split=draft_split, attention_backend=backend,
         use_cuda_graphs=device.type == "cuda" and not args.enforce_eager and backend == "triton",
         bytes_per_block=bytes_per_block,
         lookahead=(spec.num_speculative_tokens or 0) if spec is not None else 0,
@@ -209,6 +259,10 @@ def _num_kv_blocks(args: EngineArgs, models: Models, configured_len: int, graph_
         reserved_bytes=graph_memory,
     )  # fmt: skip
     num_blocks = kv_bytes // models.bytes_per_block
+    if models.tp.size > 1:  # every rank holds the same blocks: the fewest any rank can hold
+        count = torch.tensor([num_blocks], dtype=torch.int64, device=models.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+        num_blocks = int(count.item())
     # More blocks than every running sequence at full length twice over only feed the prefix
     # cache, and the host bookkeeping grows with them (tiny models on big GPUs).
     max_useful = 2 * args.max_num_seqs * -(-configured_len // args.block_size)
@@ -236,27 +290,3 @@ def _resolve_reasoning(args: EngineArgs, models: Models) -> ResolvedReasoning | 
             models.tokenizer, extra_protected_token_ids=protect
         )
     return None
-
-
-def _build_speculator(
-    args: EngineArgs,
-    models: Models,
-    target_runner: ModelRunner,
-    sampler: Sampler,
-    reasoning: ResolvedReasoning | None,
-    num_blocks: int,
-    max_model_len: int,
-    pool: object,
-) -> Speculator:
-    draft_runner = None
-    if models.draft_model is not None:
-        assert models.draft_info is not None
-        draft_runner = ModelRunner.for_model(
-            models.draft_model, models.draft_info, num_blocks=num_blocks, block_size=args.block_size,
-            device=models.device, graphs=graph_spec(args, models, DRAFT_GRAPH_WIDTHS, max_model_len, pool),
-        )  # fmt: skip
-    return Speculator(
-        args.speculative_config, target_runner=target_runner, draft_runner=draft_runner, reasoning=reasoning,
-        sampler=sampler, vocab_size=models.info.vocab_size, max_model_len=max_model_len, seed=args.seed,
-        tokenizer=models.tokenizer,
-    )  # fmt: skip

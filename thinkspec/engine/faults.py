@@ -3,7 +3,8 @@ caused it, frees their KV blocks, and leaves the engine serving everyone else.
 
 How a fault is attributed (recover_from_step_fault):
 
-1. An error of the device itself (a CUDA error: the context is unusable afterwards) is re-raised,
+1. An error of the device itself (a CUDA error: the context is unusable afterwards), or of a
+   tensor-parallel rank (TensorParallelError), is re-raised,
    so the engine is reported dead (the server's /health answers 503) with the cause logged.
 2. Requests that finished during the failed step (before it raised) get their final output.
 3. Async scheduling: a step still in flight is committed first, and each probe commits its own
@@ -26,6 +27,7 @@ import contextlib
 from collections import deque
 from typing import Any, Protocol
 
+from thinkspec.distributed.step_channel import TensorParallelError
 from thinkspec.engine.request_checks import input_problem, token_vocab_size
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.sequence import Sequence, SequenceStatus
@@ -55,6 +57,8 @@ _DEVICE_ERROR_MARKS = ("CUDA error", "CUBLAS_STATUS_", "CUDNN_STATUS_", "device-
 def is_device_failure(error: BaseException) -> bool:
     """Whether `error` means the device (not one request) failed: nothing can run on it any more."""
     if type(error).__name__ == "AcceleratorError":  # torch >= 2.8 raises this for CUDA errors
+        return True
+    if isinstance(error, TensorParallelError):  # a rank failed: the split model cannot run
         return True
     text = str(error)
     return any(mark in text for mark in _DEVICE_ERROR_MARKS)

@@ -12,6 +12,10 @@ device in one copy. Given a GraphSpec (CUDA only), steps whose shape fits a capt
 (decode, verification windows, draft steps) replay a CUDA graph instead of running eagerly; see
 cuda_graph.py.
 
+Tensor parallelism: a runner of a split model holds this rank's KV heads. On rank 0 it has a
+StepChannel and execute_model broadcasts each packed step before running it; the other ranks' runners
+run the same step from the broadcast (run_step, driven by engine/tp_worker.py).
+
 Pool size: on CPU, `kv_cache_memory` bytes (default 256 MiB). On GPU, `gpu_memory_utilization`
 is the fraction of the device's total memory this process may use, as in vLLM: after the models
 are loaded, a profile forward of max_num_batched_tokens tokens measures the peak; the pool gets
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from thinkspec.distributed.step_channel import StepChannel, StepHeader
 from thinkspec.engine.cuda_graph import CUDAGraphCache, GraphSpec, InputLayout, pack_batch
 from thinkspec.engine.sequence import Sequence
 from thinkspec.layers.attention import Attention
@@ -210,8 +215,12 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         graphs: GraphSpec | None = None,
+        channel: StepChannel | None = None,
+        runner_index: int = 0,
     ) -> None:
         self.model = model
+        self.channel = channel  # set when the model is split over ranks (tensor parallelism)
+        self.runner_index = runner_index  # which runner of the ranks' runners this is (StepHeader.runner)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
@@ -248,17 +257,21 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         graphs: GraphSpec | None = None,
+        channel: StepChannel | None = None,
+        runner_index: int = 0,
     ) -> ModelRunner:
         """A runner whose pool has the KV layout of a loaded model (heads, head_dim, dtype from info)."""
         return cls(
             model,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_kv_heads=info.num_kv_heads,
+            num_kv_heads=info.kv_heads_per_rank,
             head_dim=info.head_dim,
             dtype=info.dtype,
             device=device,
             graphs=graphs,
+            channel=channel,
+            runner_index=runner_index,
         )
 
     def release(self) -> None:
@@ -330,32 +343,87 @@ class ModelRunner:
 
         With CUDA graphs the logits are a view of a static buffer that this runner's next
         execute_model overwrites: consume (or clone) them before calling it again.
+        With a StepChannel (rank 0 of a tensor-parallel model) the other ranks run the same step.
         """
         if not seqs:
             raise ValueError("execute_model needs at least one sequence")
+        width = max(len(s.block_table) for s in seqs)
+        key = None
         if self.graphs is not None and self.use_cuda_graphs:
-            width = max(len(s.block_table) for s in seqs)
             key = self.graphs.spec.select(num_new_tokens, num_logits, width)
-            if key is not None:
-                graphs = self.graphs
-                graphs.ensure_captured(key)
-                layout = graphs.layout(key, width)
-                buf = self._host_buffer(layout.size)
-                pack_batch(
-                    buf.numpy(), layout, seqs, num_new_tokens, num_logits, self.block_size,
-                    input_token_ids, start_positions,
-                )  # fmt: skip
-                graphs.inputs[: layout.size].copy_(buf[: layout.size], non_blocking=True)
+        if key is not None:
+            assert self.graphs is not None
+            layout = self.graphs.layout(key, width)
+        else:
+            layout = InputLayout(int(sum(num_new_tokens)), int(sum(num_logits)), len(seqs), width)
+        buf = self._host_buffer(layout.size)
+        max_q, max_len = pack_batch(
+            buf.numpy(), layout, seqs, num_new_tokens, num_logits, self.block_size,
+            input_token_ids, start_positions,
+        )  # fmt: skip
+        m = 0 if device_tokens is None else int(device_tokens[0].numel())
+        header = StepHeader(
+            self.runner_index, *(key or (0, 0)), layout.num_tokens, layout.num_rows, layout.num_seqs,
+            layout.width, max_q, max_len, int(sum(num_logits)), m,
+        )  # fmt: skip
+        if self.channel is None:
+            return self.run_step(header, buf[: layout.size], device_tokens)
+        try:
+            self.channel.send_header(header)
+            return self.run_step(header, buf[: layout.size], device_tokens)
+        except Exception as e:
+            # the other ranks may be stuck in this step's collectives: the group is unusable now
+            raise self.channel.fail(e) from e
+
+    def run_step(
+        self,
+        header: StepHeader,
+        host: torch.Tensor | None,
+        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run one packed step (every rank of a tensor-parallel model runs it together).
+
+        host: the packed int64 inputs [header.layout.size] on rank 0 (and without tensor
+        parallelism); None on the other ranks, which receive them (and the device tokens) from rank 0.
+        Returns logits [header.num_out_rows, V] float32."""
+        channel = self.channel
+        key = header.graph_key
+        if key is not None:
+            graphs = self.graphs
+            assert graphs is not None
+            graphs.ensure_captured(key)
+            layout = graphs.layout(key, header.width)
+            dst = graphs.inputs[: layout.size]
+            if host is not None:
+                dst.copy_(host, non_blocking=True)
                 self._copy_done.record()
-                return graphs.replay(key, layout, int(sum(num_logits)), device_tokens)
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(
-            seqs, num_new_tokens, num_logits, input_token_ids, start_positions
+            if channel is not None:
+                channel.broadcast(dst)
+                device_tokens = channel.share_device_tokens(header, device_tokens)
+            return graphs.replay(key, layout, header.num_out_rows, device_tokens)
+        layout = header.layout
+        if host is not None:
+            dev = self._to_device(host)
+        else:
+            dev = torch.empty(layout.size, dtype=torch.int64, device=self.device)
+        if channel is not None:
+            channel.broadcast(dev)
+            device_tokens = channel.share_device_tokens(header, device_tokens)
+        parts = layout.split(dev)
+        meta = AttentionMetadata(
+            query_start_loc=parts[4].to(torch.int32),
+            seq_lens=parts[5].to(torch.int32),
+            slot_mapping=parts[2],
+            block_tables=parts[6].view(layout.num_seqs, layout.width).to(torch.int32),
+            max_query_len=header.max_query_len,
+            max_seq_len=header.max_seq_len,
         )
+        input_ids = parts[0]
         if device_tokens is not None:
             input_ids = input_ids.index_put((device_tokens[0],), device_tokens[1])
         with forward_context(meta):
-            hidden = self.model(input_ids, positions)  # [T, H]
-        return self.model.compute_logits(hidden[logits_indices])
+            hidden = self.model(input_ids, parts[1])  # [T, H]
+        return self.model.compute_logits(hidden[parts[3]])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self._copy_done is None:

@@ -135,12 +135,15 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step; unfinished requests are left as they are."""
+        """Stop the thread after its current step (unfinished requests are left as they are), then
+        the engine's tensor-parallel workers."""
         self._stopping = True
         self._commands.put(None)
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()
 
     @property
     def is_healthy(self) -> bool:

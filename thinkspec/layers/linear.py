@@ -15,27 +15,90 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from thinkspec.distributed.parallel_state import TPLayout, all_reduce
+
 GEMV_MAX_ROWS = 2  # from 4 rows on cuBLAS's tensor-core kernels win (bench_gemv)
 GEMV_MAX_WEIGHT = 64 * 1024**2  # elements; Qwen3-8B's gate/up (100M) and lm_head stay on cuBLAS
+
+
+# (dim, start, length) of a checkpoint tensor that a parameter holds; None = all of it
+CheckpointSlice = tuple[int, int, int] | None
 
 
 class Linear(nn.Linear):
     gemv = False  # True: the Triton GEMV for the products described above (CUDA or TRITON_INTERPRET)
 
+    def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
+        """The part of checkpoint tensor `leaf` ("weight" [out, in] / "bias" [out]; of projection
+        `shard` in a merged layer) that this layer holds; None = all of it."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [..., in] -> x @ weight.T + bias [..., out]
         skinny = x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
         if self.gemv and skinny and self.weight.numel() <= GEMV_MAX_WEIGHT:
             from thinkspec.layers.gemv_triton import gemv
 
-            return gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features [row_start, row_start + out_features) of a checkpoint projection of
+    `full_out` features (rows past full_out are padding the loader leaves at zero)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, *, row_start: int, full_out: int
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.row_start = row_start
+        self.full_out = full_out
+
+    def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
+        if self.row_start == 0 and self.out_features == self.full_out:
+            return None
+        return 0, self.row_start, self.out_features
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the ranks: x [..., in/size] @ this rank's weight columns, summed over
+    the ranks by one all-reduce, then the (whole, replicated) bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, tp: TPLayout) -> None:
+        super().__init__(tp.split(in_features, "in_features"), out_features, bias=bias)
+        self.tp = tp
+
+    def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
+        if self.tp.size == 1 or leaf == "bias":
+            return None
+        return 1, self.tp.rank * self.in_features, self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in / size] -> [..., out], identical on every rank
+        if self.tp.size == 1:
+            return self.product(x, self.bias)
+        y = all_reduce(self.product(x, None))  # the partial products carry no bias
+        return y if self.bias is None else y + self.bias
 
 
 class MergedLinear(Linear):
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+    """shard_starts: each projection's first row in its checkpoint tensor, when this rank holds a
+    slice of each (tensor parallelism); None when the layer holds whole projections."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        shard_starts: dict[str, int] | None = None,
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_sizes = dict(shard_sizes)
+        self.shard_starts = dict(shard_starts) if shard_starts is not None else None
         self.shard_offsets: dict[str, int] = {}
         offset = 0
         for name, size in shard_sizes.items():
@@ -46,6 +109,11 @@ class MergedLinear(Linear):
         # rows of `weight` [out, in] or `bias` [out] that hold projection `shard`
         param = getattr(self, param_name)
         return param.data.narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
+
+    def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
+        if self.shard_starts is None or shard is None:
+            return None
+        return 0, self.shard_starts[shard], self.shard_sizes[shard]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # y: [..., out] -> one view per shard, in declaration order

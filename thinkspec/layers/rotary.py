@@ -95,7 +95,11 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
-        self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
+        probe = torch.empty(0)
+        # Built on the meta device (the loader), the cache is computed by reset_cache once the model
+        # is materialised: meta rotary math costs seconds of one-time imports in a fresh process.
+        cache = probe.new_empty(max_positions, 2, head_dim // 2) if probe.is_meta else self._build(None)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def _build(self, device: torch.device | None) -> torch.Tensor:
         # [max_positions, 2, head_dim // 2] float32: cos then sin (device None = current default)

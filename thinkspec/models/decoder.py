@@ -10,6 +10,11 @@ Triton kernels (layers/fused_triton.py: residual add + RMSNorm, q/k norm + rotar
 for the whole model by `DecoderForCausalLM.set_fused_kernels`; the engine turns the kernels on with
 the Triton attention backend. Layers pass (hidden, residual) along as vLLM does, so that each
 residual add happens inside the norm that follows it.
+
+Tensor parallelism (built for a TPLayout of `size` ranks): each rank holds num_heads / size query
+heads and their KV heads (qkv_proj column-parallel), intermediate / size MLP features (gate_up_proj
+column-parallel), and a vocabulary shard of the embedding and lm_head; o_proj and down_proj are
+row-parallel (one all-reduce each), and compute_logits gathers the vocabulary shards.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from thinkspec.distributed.parallel_state import TPLayout, all_gather_last_dim
 from thinkspec.layers.attention import Attention
+from thinkspec.layers.embedding import VocabParallelEmbedding
 from thinkspec.layers.forward_context import get_forward_context
-from thinkspec.layers.linear import Linear, MergedLinear
+from thinkspec.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from thinkspec.layers.norm import RMSNorm
 from thinkspec.layers.rotary import RotaryEmbedding
 from thinkspec.models.config import DecoderConfig
@@ -43,17 +50,25 @@ def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
 
 class DecoderAttention(nn.Module):
     def __init__(
-        self, cfg: DecoderConfig, rotary: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self,
+        cfg: DecoderConfig,
+        rotary: RotaryEmbedding,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        tp: TPLayout,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")  # this rank's
+        first_kv, self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)
+        self.head_dim = d = cfg.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        starts = {"q": tp.rank * q_size, "k": first_kv * d, "v": first_kv * d} if tp.size > 1 else None
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
+            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias, shard_starts=starts
         )
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
@@ -90,11 +105,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, *, bias: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, *, bias: bool, tp: TPLayout) -> None:
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=bias)
+        size = tp.split(cfg.intermediate_size, "intermediate_size")  # this rank's features
+        starts = {"gate": tp.rank * size, "up": tp.rank * size} if tp.size > 1 else None
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate": size, "up": size}, bias=bias, shard_starts=starts
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
         self.fused = False  # True: SiLU(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,12 +136,15 @@ class DecoderLayer(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         mlp_bias: bool,
+        tp: TPLayout,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.self_attn = DecoderAttention(
+            cfg, rotary, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, tp=tp
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DecoderMLP(cfg, bias=mlp_bias)
+        self.mlp = DecoderMLP(cfg, bias=mlp_bias, tp=tp)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
@@ -141,14 +162,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig, **layout: bool) -> None:
+    def __init__(self, cfg: DecoderConfig, *, tp: TPLayout, **layout: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary_emb, **layout) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, self.rotary_emb, tp=tp, **layout) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -175,12 +196,25 @@ class DecoderForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, cfg: DecoderConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_bias: bool
+        self,
+        cfg: DecoderConfig,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        mlp_bias: bool,
+        tp: TPLayout | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, mlp_bias=mlp_bias)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TPLayout()
+        self.model = DecoderModel(
+            cfg, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, mlp_bias=mlp_bias, tp=tp
+        )
+        start, rows = tp.vocab_shard(cfg.vocab_size)
+        self.lm_head = ColumnParallelLinear(
+            cfg.hidden_size, rows, bias=False, row_start=start, full_out=cfg.vocab_size
+        )
         self.tie_weights()
 
     def set_fused_kernels(self, enabled: bool) -> None:
@@ -196,5 +230,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] model dtype (rows already selected) -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+        # hidden: [N, hidden] model dtype (rows already selected) -> [N, vocab] float32, on every rank
+        logits = self.lm_head(hidden)  # [N, vocab / size] this rank's shard
+        if self.tp.size > 1:
+            logits = all_gather_last_dim(logits, self.tp.size)[:, : self.config.vocab_size]
+        return logits.float()

@@ -4,6 +4,10 @@ dtype "auto": the checkpoint's recorded dtype on GPU; float32 on CPU, where half
 matmuls are slow and float32 is the exact reference. An explicit "bfloat16"/"float16" is kept
 on CPU. On a GPU without bfloat16 support, "auto" falls back to float16 (an explicit
 "bfloat16" raises).
+
+Tensor parallelism: built for a TPLayout, the model holds this rank's shards, and each checkpoint
+tensor is read through safetensors' get_slice as only the rows / columns this rank holds (the
+module's `checkpoint_slice`), so no rank materialises the whole model.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from thinkspec.distributed.parallel_state import TPLayout, check_tp_layout
 from thinkspec.engine_args import LOAD_FORMATS
 from thinkspec.layers.linear import MergedLinear
 from thinkspec.layers.rotary import RotaryEmbedding
@@ -63,6 +68,12 @@ class ModelInfo:
     top_p: float | None = None
     top_k: int | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)  # the raw file, {} when absent
+    tp_size: int = 1  # ranks the model is split over
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in each rank's cache (TPLayout.kv_heads)."""
+        return TPLayout(0, self.tp_size).kv_heads(self.num_kv_heads)[1]
 
 
 def load_model(
@@ -70,8 +81,12 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     load_format: str = "auto",
+    tp: TPLayout | None = None,
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model for a checkpoint folder or hub id and load its weights; returns (model, info).
+
+    tp: this process's rank of a tensor-parallel model (None: the whole model); ValueError naming
+    tensor_parallel_size when the model's head counts or MLP width do not split that way.
 
     The model is in eval mode with no gradients, on `device`, in the resolved dtype.
     load_format "dummy" (as vLLM's) reads only config.json and draws random weights: for speed
@@ -83,6 +98,11 @@ def load_model(
     raw = _read_json(path / "config.json", required=True)
     arch = _architecture(raw)
     cfg = DecoderConfig.from_dict(raw, arch)
+    tp = tp or TPLayout()
+    check_tp_layout(
+        tp.size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size,
+    )  # fmt: skip
     gen = _read_json(path / "generation_config.json", required=False) or {}
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -93,7 +113,7 @@ def load_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device("meta"):
-            net = ARCHITECTURES[arch](cfg)
+            net = ARCHITECTURES[arch](cfg, tp)
     finally:
         torch.set_default_dtype(previous)
     net.to_empty(device=device)
@@ -102,7 +122,7 @@ def load_model(
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device)
     if load_format == "dummy":
-        init_dummy_weights(net)
+        init_dummy_weights(net, seed=tp.rank)
     else:
         load_weights(net, path)
     net.eval().requires_grad_(False)
@@ -130,8 +150,23 @@ def load_model(
         top_p=gen.get("top_p"),
         top_k=gen.get("top_k"),
         generation_config=gen,
+        tp_size=tp.size,
     )
     return net, info
+
+
+def check_tensor_parallel_size(model: str | Path, size: int, field_name: str) -> None:
+    """ValueError naming `field_name` when the checkpoint's head counts or MLP width cannot be split
+    `size` ways (read from config.json alone, before any process starts)."""
+    raw = _read_json(resolve_model_path(model) / "config.json", required=True) or {}
+    cfg = DecoderConfig.from_dict(raw, _architecture(raw))
+    try:
+        check_tp_layout(
+            size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+            intermediate_size=cfg.intermediate_size,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ValueError(str(e).replace("tensor_parallel_size", field_name, 1) + f" ({model})") from None
 
 
 @torch.no_grad()
@@ -269,10 +304,15 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    target = _target(model, name, params)
-                    if target is None:
+                    found = _target(model, name, params)
+                    if found is None:
                         continue
-                    tensor = f.get_tensor(name)
+                    target, part = found
+                    if part is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        tensor = _read_slice(f.get_slice(name), part, name, file.name)
+                        target = _pad_rows(target, tensor, part)
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise ValueError(
                             f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -304,21 +344,48 @@ def _expected_tensors(model: DecoderForCausalLM) -> list[str]:
     return names
 
 
-def _target(model: DecoderForCausalLM, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor | None:
-    # the parameter (or merged-parameter slice) checkpoint tensor `name` loads into; None = skip
+def _read_slice(sl: Any, part: tuple[int, int, int], name: str, file: str) -> torch.Tensor:
+    """The (dim, start, length) part of a checkpoint tensor, read alone; clipped at the tensor's end
+    (vocabulary padding of the last rank)."""
+    dim, start, length = part
+    shape = sl.get_shape()
+    if dim >= len(shape) or start >= shape[dim]:
+        raise ValueError(f"tensor {name!r} in {file} has shape {tuple(shape)}: no part {part} to load")
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, min(start + length, shape[dim]))
+    return sl[tuple(index)]
+
+
+def _pad_rows(target: torch.Tensor, tensor: torch.Tensor, part: tuple[int, int, int]) -> torch.Tensor:
+    """The part of target that a clipped slice fills; the padding past it is zeroed."""
+    dim, _, length = part
+    got = tensor.shape[dim]
+    if got < length and target.shape[dim] == length:
+        target.narrow(dim, got, length - got).zero_()
+        return target.narrow(dim, 0, got)
+    return target
+
+
+def _target(
+    model: DecoderForCausalLM, name: str, params: dict[str, nn.Parameter]
+) -> tuple[torch.Tensor, tuple[int, int, int] | None] | None:
+    # (the parameter or merged-parameter slice that checkpoint tensor `name` loads into, the part of
+    # the tensor this rank holds or None for all of it); None = skip
     if name.endswith(_IGNORED_SUFFIXES):
         return None
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return None  # some tied checkpoints store a copy of the embedding
-    if name in params:
-        return params[name].data
     parts = name.split(".")
+    if name in params:
+        module = model.get_submodule(name.rpartition(".")[0])
+        part = module.checkpoint_slice(parts[-1]) if hasattr(module, "checkpoint_slice") else None
+        return params[name].data, part
     if len(parts) >= 2 and parts[-2] in model.packed_modules:
         merged_name, shard = model.packed_modules[parts[-2]]
         merged_param = ".".join([*parts[:-2], merged_name, parts[-1]])
         if merged_param in params:
             module = model.get_submodule(merged_param.rpartition(".")[0])
-            return module.shard_view(parts[-1], shard)
+            return module.shard_view(parts[-1], shard), module.checkpoint_slice(parts[-1], shard)
     cls = type(model).__name__
     warnings.warn(f"checkpoint tensor {name!r} has no counterpart in {cls}; ignored", stacklevel=3)
     return None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from thinkspec.distributed.parallel_state import TPLayout
 from thinkspec.models.config import DecoderConfig
 from thinkspec.models.decoder import DecoderForCausalLM
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__(cfg, qkv_bias=True, o_bias=False, qk_norm=False, mlp_bias=False)
+    def __init__(self, cfg: DecoderConfig, tp: TPLayout | None = None) -> None:
+        super().__init__(cfg, qkv_bias=True, o_bias=False, qk_norm=False, mlp_bias=False, tp=tp)
