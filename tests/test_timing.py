@@ -169,9 +169,11 @@ def test_capture_graphs_covers_every_bucket_up_to_the_batch_at_every_width():
             self.graphs[key] = object()
 
     target, draft = SimpleNamespace(graphs=Cache()), SimpleNamespace(graphs=Cache())
-    speculator = SimpleNamespace(proposer=SimpleNamespace(runner=draft))
+    measured: list[int] = []  # adaptive_k's cost model is measured up to the same batch
+    speculator = SimpleNamespace(proposer=SimpleNamespace(runner=draft), measure_costs=measured.append)
     llm = SimpleNamespace(llm_engine=SimpleNamespace(model_runner=target, speculator=speculator))
     assert capture_graphs(llm, 20) == 2 * 3 * 6  # buckets 1..24 (24 holds 20 rows) x 3 widths x 2 runners
+    assert measured == [20]
     assert set(target.graphs.graphs) == {(b, q) for b in (1, 2, 4, 8, 16, 24) for q in (1, 2, 5)}
     assert capture_graphs(llm, 20) == 0  # all there already
     plain = SimpleNamespace(model_runner=SimpleNamespace(graphs=None), speculator=None)
