@@ -157,7 +157,7 @@ def test_rows_mark_the_frontier_and_round_trip():
 def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     """Tiny grid on the bundled toy pair; outputs truncated (the toy answers need ~250 tokens)."""
     out = tmp_path / "sweep"
-    grid = ["sweep", "--device", "cpu", "--num-prompts", "3", "--max-tokens", "24", "--relax-top-ks", "8",
+    grid = ["sweep", "--device", "cpu", "--num-prompts", "3", "--max-tokens", "16", "--relax-top-ks", "8",
             "--repeats", "2"]  # fmt: skip
     argv = [
         *grid,
@@ -180,9 +180,9 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     rows = {r["name"]: r for r in data["rows"]}
     assert list(rows) == ["T=0 no_spec", "T=0 strict", "T=0 r=0.1 k=8", "T=0 r=0.5 k=8"]
     for r in rows.values():
-        assert r["num_prompts"] == 3 and r["truncation_rate"] == 1.0 and r["mean_output_tokens"] == 24.0
+        assert r["num_prompts"] == 3 and r["truncation_rate"] == 1.0 and r["mean_output_tokens"] == 16.0
         assert r["repeats"] == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
-        assert r["tokens_per_s_min"] <= 3 * 24 / r["seconds"] <= r["tokens_per_s_max"]  # the first run's
+        assert r["tokens_per_s_min"] <= 3 * 16 / r["seconds"] <= r["tokens_per_s_max"]  # the first run's
         assert r["speedup_vs_strict_min"] <= r["speedup_vs_strict"] <= r["speedup_vs_strict_max"]
         assert r["speedup_vs_no_spec"] > 0
     assert rows["T=0 strict"]["speedup_vs_strict"] == pytest.approx(1.0)

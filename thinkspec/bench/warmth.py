@@ -118,14 +118,11 @@ def check_no_builds(before: dict[str, int], after: dict[str, int], what: str) ->
 
 @contextmanager
 def quiet_heap() -> Iterator[dict[str, float]]:
-    """Around one timed run: collect and freeze what is alive before it (engines, earlier cells'
-    results), so the collector's full passes do not walk the harness's own heap inside the run.
-    Collection stays on: the engine's own garbage is part of what is timed. Yields a dict that on
-    exit holds the run's gc_pause_s (collector pauses), process_cpu_s (all threads) and
-    thread_cpu_s (this thread): against the wall time they tell the harness's own work from a
-    machine that took the CPU away."""
-    gc.collect()
-    gc.freeze()
+    """Around one timed run: freeze what is alive before it (engines, earlier cells' results), so the
+    collector's full passes do not walk the harness's own heap inside the run. Collection stays on:
+    the engine's own garbage is part of what is timed. Yields a dict that on exit holds the run's
+    gc_pause_s (collector pauses), process_cpu_s (all threads) and thread_cpu_s (this thread)."""
+    gc.freeze()  # also empties the young generations, so no collection is due as the run starts
     stats = {"gc_pause_s": 0.0}
     started: list[float] = []
 
