@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 from bench_spec_round import QWEN3_8B, write_config
 from bench_throughput import rate_for_acceptance_length, time_thinkspec
+from validate_projection import decode_seconds
 
-from thinkspec import LLM, SamplingParams
+from thinkspec import LLM
 
 LLAMA = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=500000.0, max_position_embeddings=8192,
@@ -203,18 +204,6 @@ def measure_allreduce(tp: int, iters: int) -> dict:
 
 
 # ---- engine timings -------------------------------------------------------------------------------
-
-
-def decode_seconds(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
-    """Seconds for output_len tokens minus a 1-token run (the prefill): output_len - 1 decode steps."""
-
-    def run(n: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    return run(output_len) - run(1)
 
 
 def summary(values: list[float]) -> dict:

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoints import END_THINK_ID, THINK_ID, build_tokenizer, hf_logits, tiny_checkpoint
-from safetensors.torch import load_file, save_file
+from checkpoints import END_THINK_ID, THINK_ID, build_tokenizer, hf_logits, noisy_copy, tiny_checkpoint
 from scipy.stats import chisquare
 
 from thinkspec import LLM, SamplingParams
@@ -20,18 +19,6 @@ from thinkspec.spec_decode.proposer import Proposal
 K = 4
 
 
-def _noisy_copy(src: Path, dst: Path, noise: float, seed: int = 7) -> Path:
-    """A draft that is the target plus weight noise: it agrees often, not always."""
-    if dst.exists():
-        return dst
-    shutil.copytree(src, dst)
-    weights = load_file(dst / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    weights = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 @pytest.fixture(scope="module")
 def target() -> Path:
     return tiny_checkpoint("qwen3", tied=True)
@@ -39,7 +26,7 @@ def target() -> Path:
 
 @pytest.fixture(scope="module")
 def draft(target: Path, tmp_path_factory) -> Path:
-    return _noisy_copy(target, tmp_path_factory.mktemp("draft") / "noisy", 0.05)
+    return noisy_copy(target, tmp_path_factory.mktemp("draft") / "noisy", 0.05)
 
 
 def _assert_blocks_free(llm: LLM) -> None:
