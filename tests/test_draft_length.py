@@ -8,7 +8,6 @@ import torch
 from checkpoints import tiny_checkpoint
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.bench.projection import StepCosts
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.factory import target_graph_widths
 from thinkspec.spec_decode.draft_length import (
@@ -21,7 +20,7 @@ from thinkspec.spec_decode.draft_length import (
     expected_tokens,
 )
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
-from thinkspec.spec_decode.step_costs import StepCostModel
+from thinkspec.spec_decode.step_costs import StepCostModel, StepCosts
 
 K = 4
 

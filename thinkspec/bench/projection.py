@@ -26,20 +26,7 @@ from typing import Any
 
 import numpy as np
 
-
-@dataclass(slots=True, frozen=True)
-class StepCosts:
-    """Measured milliseconds at one batch size."""
-
-    batch: int
-    k: int
-    plain_ms: float  # one plain decode step of the batch
-    draft_ms: float  # one draft step of the batch
-    verify_ms: float  # one target forward of batch x (k+1) tokens
-
-    @property
-    def round_ms(self) -> float:
-        return self.k * self.draft_ms + self.verify_ms
+from thinkspec.spec_decode.step_costs import StepCosts, round_ms_at
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,8 +54,11 @@ def costs_from_spec_round(data: Mapping[str, Any]) -> list[StepCosts]:
     if "costs" in data:
         return [
             StepCosts(
-                batch=int(c["batch"]), k=int(data["k"]), plain_ms=float(c["plain_ms"]),
-                draft_ms=float(c["draft_ms"]), verify_ms=float(c["verify_ms"]),
+                batch=int(c["batch"]),
+                k=int(data["k"]),
+                plain_ms=float(c["plain_ms"]),
+                draft_ms=float(c["draft_ms"]),
+                verify_ms=float(c["verify_ms"]),
             )  # fmt: skip
             for c in data["costs"]
         ]
@@ -129,12 +119,6 @@ def project(profiles: Sequence[AcceptanceProfile], costs: Sequence[StepCosts]) -
                 }
             )
     return rows
-
-
-def round_ms_at(costs: Sequence[StepCosts], batch: float) -> float:
-    """Round time at any batch size: linear between the measured batch sizes, flat beyond them."""
-    pts = sorted((c.batch, c.round_ms) for c in costs)
-    return float(np.interp(batch, [b for b, _ in pts], [ms for _, ms in pts]))
 
 
 def conditional_rates(shares: Sequence[float]) -> np.ndarray:

@@ -1,12 +1,12 @@
 """What one engine step costs, as a function of batch size and draft length: the adaptive draft
 length's cost model.
 
-Per graph batch bucket b the model holds one `StepCosts` row (thinkspec/bench/projection.py, the
-same record the projection uses) for every k = 0..K: plain_ms = one plain decode forward,
+Per graph batch bucket b the model holds one `StepCosts` row (below; thinkspec/bench/projection.py
+projects sweeps with the same record) for every k = 0..K: plain_ms = one plain decode forward,
 draft_ms = one single-token draft forward, verify_ms = one target forward of b x (k+1) tokens; its
 round_ms = k * draft_ms + verify_ms is a round where every row drafts k (k = 0: the plain step).
 Between measured buckets a figure is linear in the batch size, flat beyond them
-(projection.round_ms_at). A step whose rows draft different numbers of tokens (one forward, each
+(round_ms_at). A step whose rows draft different numbers of tokens (one forward, each
 row its own window, graph width max k + 1) costs
 
   round_ms(B, kmax) + sum_{j=1}^{kmax-1} (draft_ms(n_j) - draft_ms(B))     n_j: rows drafting > j
@@ -28,17 +28,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from thinkspec.bench.projection import StepCosts, round_ms_at
 
 if TYPE_CHECKING:
     from thinkspec.engine.model_runner import ModelRunner
 
 OVERHEAD_ALPHA = 0.05  # weight of one step's measurement in the learned host overhead
 MIN_OF = 3  # an overhead entry starts as the least of its first measurements
+
+
+@dataclass(slots=True, frozen=True)
+class StepCosts:
+    """Measured milliseconds at one batch size."""
+
+    batch: int
+    k: int
+    plain_ms: float  # one plain decode step of the batch
+    draft_ms: float  # one draft step of the batch
+    verify_ms: float  # one target forward of batch x (k+1) tokens
+
+    @property
+    def round_ms(self) -> float:
+        return self.k * self.draft_ms + self.verify_ms
+
+
+def round_ms_at(costs: Seq[StepCosts], batch: float) -> float:
+    """Round time at any batch size: linear between the measured batch sizes, flat beyond them."""
+    pts = sorted((c.batch, c.round_ms) for c in costs)
+    return float(np.interp(batch, [b for b, _ in pts], [ms for _, ms in pts]))
 
 
 def default_costs(k_max: int, buckets: Seq[int]) -> dict[int, list[StepCosts]]:
