@@ -12,6 +12,11 @@ sequences at the same context length:
   decode_ms         one plain single-token target forward (no speculation), for reference
   ratio             round_ms / parts_ms (the overhead of the round's own bookkeeping)
   tokens_per_round  mean tokens emitted per sequence per round
+  floors            the verify's bound, max(weight read at HBM_BYTES_PER_S, its matmul FLOPs at
+                    BF16_FLOPS), and the plain step's weight-read floor
+With --kernel-profile (CUDA) the verify and the plain step are also replayed once under
+torch.profiler, and their device time is split into GEMM, attention and other kernels, with the
+ten costliest kernels.
 Writes JSON (--out) and prints a table last.
 
     python benchmarks/bench_spec_round.py --out spec_round.json            # H200
@@ -57,6 +62,48 @@ SMALL_DRAFT = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
 )  # fmt: skip
+
+
+HBM_BYTES_PER_S = 4.21e12  # measured device copy bandwidth (docs/BENCHMARKS.md anchors)
+BF16_FLOPS = 790e12  # dense bf16 tensor-core rate a tuned GEMM reaches on the H200
+KERNEL_GROUPS = (
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitk", "matmul")),
+    ("attention", ("attn", "attention")),
+)
+
+
+def floors(model: torch.nn.Module, batch: int, k: int) -> dict[str, float]:
+    """Lower bounds (ms) of one verify over batch x (k+1) tokens and of one plain step, from the weights."""
+    params = dict(model.named_parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    # The embedding is a lookup: it costs reads of a few rows, no FLOPs.
+    matmul_params = sum(p.numel() for n, p in params.items() if "embed" not in n)
+    if not any("lm_head" in n for n in params):  # tied: the lm_head product reads the embedding
+        matmul_params += sum(p.numel() for n, p in params.items() if "embed" in n)
+    read_ms = weight_bytes / HBM_BYTES_PER_S * 1e3
+    flop_ms = 2 * matmul_params * batch * (k + 1) / BF16_FLOPS * 1e3
+    return {"verify_floor_ms": max(read_ms, flop_ms), "verify_flop_ms": flop_ms, "decode_floor_ms": read_ms}
+
+
+def kernel_breakdown(fn) -> dict:
+    """Device time (us) of one call of fn by kernel group, and its ten costliest kernels (CUDA only)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time
+    groups = {name: 0.0 for name, _ in KERNEL_GROUPS} | {"other": 0.0}
+    for name, us in per_kernel.items():
+        low = name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(key in low for key in keys)), "other")
+        groups[group] += us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
+    return {"device_us": sum(per_kernel.values()), "groups_us": groups,
+            "top_kernels_us": [{"name": n[:120], "us": us} for n, us in top]}  # fmt: skip
 
 
 def write_config(folder: Path, shape: dict, vocab_size: int) -> Path:
@@ -170,9 +217,18 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         lambda: target_runner.execute_model(seqs, [1] * batch, [1] * batch, one, start_positions=starts),
         device, args.reps,
     )  # fmt: skip
+    profile = {}
+    if args.kernel_profile and device.type == "cuda":
+        profile = {
+            "verify_kernels": kernel_breakdown(lambda: target_runner.execute_model(
+                seqs, [k + 1] * batch, [k + 1] * batch, [[0] * (k + 1)] * batch, start_positions=starts)),
+            "decode_kernels": kernel_breakdown(lambda: target_runner.execute_model(
+                seqs, [1] * batch, [1] * batch, one, start_positions=starts)),
+        }  # fmt: skip
     round_ms = statistics.median(round_times)
     parts_ms = k * draft_ms + verify_ms
     tokens_per_round = emitted / (args.rounds * batch)
+    bounds = floors(target_runner.model, batch, k)
     for r in runners:
         r.release()
     del runners, spec
@@ -192,12 +248,14 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         "tokens_per_round": tokens_per_round,
         "spec_tok_per_s": batch * tokens_per_round / round_ms * 1e3,
         "plain_tok_per_s": batch / decode_ms * 1e3,
+        **bounds,
+        **profile,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--rate", type=float, default=0.7, help="synthetic per-draft acceptance probability")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -207,6 +265,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as LLM(enforce_eager=True))")
+    p.add_argument("--kernel-profile", action="store_true", help="verify/plain by kernel (CUDA)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -236,11 +295,19 @@ def main() -> None:
     shapes = f"{result['target']} / {result['draft']}"
     print(f"spec round vs parts ({shapes}, {dtype}, k={args.k}, rate={args.rate})")
     print(f"{'batch':>5} {'round ms':>9} {'draft ms':>9} {'verify ms':>9} {'parts ms':>9} {'ratio':>6} "
-          f"{'tok/rnd':>7} {'spec tok/s':>10} {'plain tok/s':>11}")  # fmt: skip
+          f"{'tok/rnd':>7} {'spec tok/s':>10} {'plain tok/s':>11} {'verify/floor':>12} "
+          f"{'plain/floor':>11}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:>5} {r['round_ms']:>9.2f} {r['draft_step_ms']:>9.2f} {r['verify_ms']:>9.2f} "
               f"{r['parts_ms']:>9.2f} {r['ratio']:>6.2f} {r['tokens_per_round']:>7.2f} "
-              f"{r['spec_tok_per_s']:>10.1f} {r['plain_tok_per_s']:>11.1f}")  # fmt: skip
+              f"{r['spec_tok_per_s']:>10.1f} {r['plain_tok_per_s']:>11.1f} "
+              f"{r['verify_ms'] / r['verify_floor_ms']:>12.2f} "
+              f"{r['decode_ms'] / r['decode_floor_ms']:>11.2f}")  # fmt: skip
+    for r in rows:
+        for part in ("verify_kernels", "decode_kernels"):
+            if part in r:
+                groups = ", ".join(f"{g} {us / 1e3:.2f}" for g, us in r[part]["groups_us"].items())
+                print(f"batch {r['batch']} {part}: {r[part]['device_us'] / 1e3:.2f} ms device ({groups})")
 
 
 if __name__ == "__main__":

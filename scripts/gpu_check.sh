@@ -6,7 +6,8 @@
 # still run, and the script exits 1 at the end if any stage failed.
 #   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels); TEST_PATHS
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
-#   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes)
+#   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes), against the
+#               floors, with the verify and plain step split by kernel (SPEC_ROUND_ARGS, default --kernel-profile)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
 #   projection  the projection of a sweep's cells (PROJECTION_SWEEP, PROJECTION_CELLS) against the engine
@@ -76,9 +77,9 @@ fi
 
 
 if has spec_round; then
-  timeout "${SPEC_ROUND_TIMEOUT:-150}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
-    2>&1 | tee "$OUT/spec_round.log"
-  record spec_round "${PIPESTATUS[0]}" "${SPEC_ROUND_TIMEOUT:-150}"
+  timeout "${SPEC_ROUND_TIMEOUT:-200}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
+    ${SPEC_ROUND_ARGS:---kernel-profile} 2>&1 | tee "$OUT/spec_round.log"
+  record spec_round "${PIPESTATUS[0]}" "${SPEC_ROUND_TIMEOUT:-200}"
 fi
 
 if has throughput; then
