@@ -21,6 +21,8 @@
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
 #   attention   batch-1 decode attention: Triton launch shapes x contexts, us per layer (ATTENTION_ARGS)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
+#   host        how steady one host core is: fixed Python work timed in chunks, unpinned and pinned
+#               (benchmarks/host_noise.py; HOST_ARGS, default "--seconds 30")
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
 #               "batch[:max_model_len[:sync]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
@@ -166,6 +168,12 @@ if has step; then
     "$OUT/step.json" "${steps[@]}" 2>/dev/null && rm -f "${steps[@]}"
 fi
 
+if has host; then
+  timeout "${HOST_TIMEOUT:-150}" $PY benchmarks/host_noise.py --out "$OUT/host.json" ${HOST_ARGS:---seconds 30} 2>&1 \
+    | tee "$OUT/host.log"
+  record host "${PIPESTATUS[0]}" "${HOST_TIMEOUT:-150}"
+fi
+
 if has profile; then
   timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/profile_toy.py --device cuda --num-problems 256 \
     ${PROFILE_ARGS:-} >"$OUT/profile.log" 2>&1
@@ -251,7 +259,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in spec_round projection adaptive throughput gemv acceptance step toy_quality sweep tp; do
+for f in host spec_round projection adaptive throughput gemv acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"
