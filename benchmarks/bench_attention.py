@@ -27,19 +27,23 @@ from thinkspec.layers.forward_context import AttentionMetadata
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def decode_case(batch: int, context: int, layers: int, dev: torch.device, gen: torch.Generator):
-    """(q, k, v [batch, H, D], per-layer (k_cache, v_cache) [blocks, 16, HKV, D], metadata)."""
+def decode_case(
+    batch: int, context: int, layers: int, dev: torch.device, gen: torch.Generator, queries: int = 1
+):
+    """(q, k, v [batch * queries, H, D], per-layer (k_cache, v_cache) [blocks, 16, HKV, D], metadata):
+    each sequence feeds its last `queries` positions of `context` (1: decode, k+1: a verify)."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
     perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq]
     tables = perm.view(batch, blocks_per_seq).to(torch.int32)
-    slots = tables[:, (context - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    pos = torch.arange(context - queries, context)  # [queries]
+    slots = (tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
     meta = AttentionMetadata(
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32).to(dev),
+        query_start_loc=(torch.arange(batch + 1, dtype=torch.int32) * queries).to(dev),
         seq_lens=torch.full((batch,), context, dtype=torch.int32).to(dev),
         slot_mapping=slots.to(dev),
         block_tables=tables.to(dev),
-        max_query_len=1,
+        max_query_len=queries,
         max_seq_len=context,
     )
     shape = (num_blocks, BLOCK_SIZE, HKV, D)
@@ -50,9 +54,9 @@ def decode_case(batch: int, context: int, layers: int, dev: torch.device, gen: t
         )
         for _ in range(layers)
     ]
-    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(batch * queries, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch * queries, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(batch * queries, HKV, D, device=dev, dtype=torch.bfloat16)
     return q, k, v, caches, meta
 
 
@@ -68,6 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1")
     ap.add_argument("--contexts", default="128,256,384,1024,4096")
+    ap.add_argument("--queries", default="1", help="query tokens per sequence: 1 = decode, k+1 = verify")
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--warps", default="4,8")
@@ -81,15 +86,18 @@ def main() -> None:
     grid = list(itertools.product(ints(args.block_n), ints(args.splits), ints(args.warps), ints(args.stages)))
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for batch, context in itertools.product(ints(args.batches), ints(args.contexts)):
-        q, k, v, caches, meta = decode_case(batch, context, args.layers, dev, gen)
+    for queries, batch, context in itertools.product(
+        ints(args.queries), ints(args.batches), ints(args.contexts)
+    ):
+        q, k, v, caches, meta = decode_case(batch, context, args.layers, dev, gen, queries)
         floor_us = batch * context * HKV * D * 2 * 2 / args.bandwidth * 1e6
         case = (q, k, v, caches, meta)
         ref = TritonAttentionBackend().forward(q, k, v, *caches[0], meta, D**-0.5).float()
         default_us = layer_us(TritonAttentionBackend(), case)
         rows.append(
-            {"batch": batch, "context": context, "shape": "default", "us": default_us, "floor_us": floor_us}
-        )
+            {"batch": batch, "queries": queries, "context": context, "shape": "default", "us": default_us,
+             "floor_us": floor_us}
+        )  # fmt: skip
         for block_n, splits, warps, stages in grid:
             be = TritonAttentionBackend(
                 block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages
@@ -100,16 +108,16 @@ def main() -> None:
                     f"{(block_n, splits, warps, stages)} at context {context}: max error {err}"
                 )
             rows.append(
-                {"batch": batch, "context": context, "shape": [block_n, splits, warps, stages],
-                 "us": layer_us(be, case), "floor_us": floor_us}
+                {"batch": batch, "queries": queries, "context": context,
+                 "shape": [block_n, splits, warps, stages], "us": layer_us(be, case), "floor_us": floor_us}
             )  # fmt: skip
-        here = [r for r in rows if r["batch"] == batch and r["context"] == context]
+        here = [r for r in rows if (r["batch"], r["queries"], r["context"]) == (batch, queries, context)]
         best = min(here, key=lambda r: r["us"])
         unsplit = min(
             (r for r in here if r["shape"] == "default" or r["shape"][1] == 1), key=lambda r: r["us"]
         )
         print(
-            f"batch {batch:>3} context {context:>6}: default {default_us:6.2f} us/layer, "
+            f"batch {batch:>3} queries {queries} context {context:>6}: default {default_us:6.2f} us/layer, "
             f"best {best['us']:6.2f} "
             f"(block_n, splits, warps, stages) = {best['shape']}, best unsplit {unsplit['us']:6.2f} "
             f"{unsplit['shape']}, floor {floor_us:5.2f} us",

@@ -19,7 +19,8 @@
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
-#   attention   batch-1 decode attention: Triton launch shapes x contexts, us per layer (ATTENTION_ARGS)
+#   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
+#               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256")
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   host        how steady one host core is: fixed Python work timed in chunks, unpinned and pinned
 #               (benchmarks/host_noise.py; HOST_ARGS, default "--seconds 30")
