@@ -11,6 +11,7 @@ from thinkspec.bench.results import CellResult, SweepResult, pareto_frontier
 from thinkspec.bench.sweep import RelaxSetting, calibrate, make_grid
 from thinkspec.config import SpeculativeConfig
 from thinkspec.entrypoints.cli import main
+from thinkspec.toy.assets import TOY_MODELS, resolve_model_path, toy_name
 
 
 def test_grid_is_the_full_product_and_validates():
@@ -153,6 +154,16 @@ def test_rows_mark_the_frontier_and_round_trip():
     assert again.rows() == result.rows()
 
 
+def test_toy_name_names_the_bundled_folders_only(tmp_path):
+    assert toy_name(str(TOY_MODELS["toy-reasoner"])) == "toy-reasoner"
+    assert toy_name(str(TOY_MODELS["toy-reasoner-draft"]) + "/") == "toy-reasoner-draft"
+    assert resolve_model_path(toy_name(str(TOY_MODELS["toy-reasoner-draft"]))) == str(
+        TOY_MODELS["toy-reasoner-draft"]
+    )
+    assert toy_name(str(tmp_path)) == str(tmp_path)
+    assert toy_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+
+
 @pytest.mark.slow
 def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     """Tiny grid on the bundled toy pair; outputs truncated (the toy answers need ~250 tokens)."""
@@ -201,6 +212,13 @@ def test_sweep_smoke_on_the_toy_pair(tmp_path, capsys):
     )
     cal = data["calibrations"][0]
     assert cal["chosen"] in rows and rows[cal["chosen"]]["mode"] in ("strict", "relaxed")
+    # reports name the bundled pair, not this machine's folders; the CLI resolves the names back
+    assert data["config"]["model"] == "toy-reasoner"
+    assert (
+        data["config"]["speculative_config"]["model"]
+        == cal["speculative_config"]["model"]
+        == "toy-reasoner-draft"
+    )
     assert json.dumps(cal["speculative_config"]) in printed
     with open(out / "sweep.csv", newline="") as f:
         csv_rows = list(csv.DictReader(f))
@@ -344,8 +362,16 @@ def test_calibration_on_a_level_the_target_gets_wrong_sometimes():
     for i in range(0, 25, 5):  # 5 gained, none lost
         gains[i] = True
     losses = [ok and i >= 15 for i, ok in enumerate(strict)]  # 12 lost
-    result = SweepResult(config={"speculative_config": {"model": "draft", "num_speculative_tokens": 4,
-                                                        "reasoning_parser": "qwen3"}, "num_prompts": n})
+    result = SweepResult(
+        config={
+            "speculative_config": {
+                "model": "draft",
+                "num_speculative_tokens": 4,
+                "reasoning_parser": "qwen3",
+            },
+            "num_prompts": n,
+        }
+    )
     result.cells = [
         _cell("T=0 strict", "strict", strict, 1000.0, 3.0),
         _cell("T=0 r=0.1 k=8", "relaxed", churn, 1600.0, 4.0, ratio=0.1, top_k=8),

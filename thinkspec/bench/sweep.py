@@ -19,6 +19,7 @@ from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, Swee
 from thinkspec.bench.warmth import capture_graphs
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.llm import LLM
+from thinkspec.toy.assets import toy_name
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,7 +110,7 @@ def run_sweep(
             "temperatures": list(temperatures),
             "max_tokens": max_tokens,
             "seed": seed,
-            "speculative_config": strict_cfg,
+            "speculative_config": {**strict_cfg, "model": toy_name(strict_cfg["model"])},
             "grid": [s.label for s in settings],
             "repeats": repeats,
             "batch_sizes": ["all" if b is None else b for b in batch_sizes],
@@ -244,9 +245,7 @@ def _run_planned_cell(
     row_setting.pop("relaxed_thinking", None)
     overrides = {} if setting is None else setting.overrides()
     name = _planned_name(planned)
-    return run_cell(
-        llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, batch, **overrides
-    )
+    return run_cell(llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, batch, **overrides)
 
 
 def calibrate(
@@ -468,7 +467,7 @@ def _sweep_config(args: Any, kwargs: dict[str, Any], previous: SweepResult | Non
     config: dict[str, Any] = {
         "dataset": args.dataset,
         **_level_config(args.dataset, args.level),
-        "model": kwargs["model"],
+        "model": toy_name(kwargs["model"]),
         "device": kwargs.get("device", "auto"),
         "dtype": kwargs.get("dtype", "auto"),
     }

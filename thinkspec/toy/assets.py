@@ -27,6 +27,18 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(path)
 
 
+def toy_name(path: str) -> str:
+    """The short name of a bundled toy checkpoint folder ("toy-reasoner", ...); any other path unchanged.
+
+    What reports record instead of the folder's absolute path, which differs from machine to machine
+    (the CLI resolves the name back with resolve_model_path)."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return path
+    return next((name for name, folder in TOY_MODELS.items() if folder == resolved), path)
+
+
 # The relaxed setting `thinkspec demo` shows: the one the toy quality gates were measured with
 # (docs/BENCHMARKS.md).
 DEMO_RELAX_RATIO = 0.1
