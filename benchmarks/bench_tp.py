@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
+import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -235,7 +238,7 @@ def engine_kwargs(args, max_batch: int) -> dict:
     )  # fmt: skip
 
 
-def run_plain(args, target: Path, prompts: list[list[int]], result: dict) -> None:
+def run_plain(args, target: Path, prompts: list[list[int]], result: dict, save: Callable[[], None]) -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(str(target), tensor_parallel_size=args.tp, **engine_kwargs(args, max(batches)))
     try:
@@ -250,12 +253,15 @@ def run_plain(args, target: Path, prompts: list[list[int]], result: dict) -> Non
                 "x_floor": s["median"] / floor_ms,
             }
             result["rows"].append(row)
+            save()  # before the engine's shutdown: a hang there keeps the rows
             print(f"  plain TP={args.tp} batch {b}: {s['median']:.2f} ms/step ({row['x_floor']:.2f}x floor)")
     finally:
         llm.shutdown()
 
 
-def run_spec(args, target: Path, draft: Path, prompts: list[list[int]], result: dict) -> None:
+def run_spec(
+    args, target: Path, draft: Path, prompts: list[list[int]], result: dict, save: Callable[[], None]
+) -> None:
     batches = [int(b) for b in args.spec_batch_sizes.split(",")]
     lengths = [float(x) for x in args.acceptance_lengths.split(",")]
     for mode in args.draft_modes.split(","):
@@ -280,12 +286,13 @@ def run_spec(args, target: Path, draft: Path, prompts: list[list[int]], result: 
                     if result.get("floor_ms_per_step"):
                         row["x_floor"] = s["median"] / result["floor_ms_per_step"]
                     result["rows"].append(row)
+                    save()  # before the engine's shutdown: a hang there keeps the rows
                     print(f"  spec {mode} AL {length:g} batch {b}: {s['median']:.2f} ms/token")
         finally:
             llm.shutdown()
 
 
-def run_qwen3(args, qwen: Path, prompts: list[list[int]], result: dict) -> None:
+def run_qwen3(args, qwen: Path, prompts: list[list[int]], result: dict, save: Callable[[], None]) -> None:
     """TP=1 and TP=tp engines alive together (fixed KV pools), timed interleaved at batch 1."""
     kw = engine_kwargs(args, 1)
     kw.pop("gpu_memory_utilization")
@@ -306,6 +313,7 @@ def run_qwen3(args, qwen: Path, prompts: list[list[int]], result: dict) -> None:
                f"tp{args.tp}_ms_per_step": s2,
                "speedup": s1["median"] / s2["median"]}  # fmt: skip
         result["rows"].append(row)
+        save()  # before the engine's shutdown: a hang there keeps the rows
         print(
             f"  Qwen3-8B batch 1: TP=1 {s1['median']:.2f} ms, TP={args.tp} {s2['median']:.2f} ms, "
             f"x{row['speedup']:.2f}"
@@ -366,10 +374,12 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test with --device cpu)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    # A run stopped by gpu_check's timeout (SIGTERM) prints where every thread was: a hang is located.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     parts = set(args.parts.split(","))
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     result: dict = {"device": device, "tp": args.tp, "target": "small" if args.small else args.target,
-                    "args": vars(args), "rows": []}  # fmt: skip
+                    "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": []}  # fmt: skip
 
     def save() -> None:
         if args.out:
@@ -388,13 +398,13 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, min(vocab, 32000), (64, args.prompt_len), generator=gen).tolist()
         if "plain" in parts:
-            run_plain(args, target, prompts, result)
+            run_plain(args, target, prompts, result, save)
             save()
         if "spec" in parts:
-            run_spec(args, target, draft, prompts, result)
+            run_spec(args, target, draft, prompts, result, save)
             save()
         if "qwen3" in parts:
-            run_qwen3(args, qwen, prompts, result)
+            run_qwen3(args, qwen, prompts, result, save)
             save()
     print_table(result)
 

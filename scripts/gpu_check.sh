@@ -234,7 +234,7 @@ fi
 
 if has tp; then
   if [ "${TP_TESTS:-1}" != 0 ]; then
-    timeout "${TP_TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel_gpu.py \
+    timeout "${TP_TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 tests/test_tensor_parallel_gpu.py \
       2>&1 | tee "$OUT/tp_tests.log"
     rc=${PIPESTATUS[0]}
     record tp_tests "$rc" "${TP_TESTS_TIMEOUT:-300}" \

@@ -13,7 +13,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -22,8 +24,9 @@ import torch.distributed as dist
 from checkpoints import END_THINK_ID, THINK_ID, noisy_copy, tiny_checkpoint
 
 import thinkspec
+import thinkspec.distributed.workers as tp_workers
 from thinkspec import LLM, SamplingParams
-from thinkspec.distributed.step_channel import TensorParallelError
+from thinkspec.distributed.step_channel import EXIT, StepHeader, TensorParallelError
 from thinkspec.distributed.workers import TPWorkers, exit_with_parent, init_distributed, report_failure
 from thinkspec.engine_args import EngineArgs
 
@@ -209,6 +212,38 @@ def test_worker_error_reaches_rank0_with_its_message():
         workers.shutdown()
     assert not [p for p in workers.procs if _alive(p.pid)]
     assert not dist.is_initialized()
+
+
+def _worker_waiting_for_exit(rank: int, size: int, init_method: str, args: object, errors: object) -> None:
+    """A worker with no model: joins the group, waits for rank 0's EXIT header, leaves."""
+    init_distributed(rank, size, init_method, torch.device("cpu"))
+    header = torch.zeros(len(astuple(StepHeader(EXIT, *([0] * 10)))), dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    assert int(header[0]) == EXIT
+    dist.destroy_process_group()
+
+
+def test_shutdown_returns_when_leaving_the_group_blocks(monkeypatch):
+    """NCCL's destroy can block at shutdown: rank 0 waits for it a bounded time, then aborts the group."""
+    workers = TPWorkers.start(2, None, torch.device("cpu"), _worker_waiting_for_exit)
+    release = threading.Event()
+    real_destroy = dist.destroy_process_group
+    monkeypatch.setattr(tp_workers, "LEAVE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *args, **kwargs: release.wait())
+    closing = threading.Thread(target=workers.shutdown, daemon=True)
+    start = time.monotonic()
+    try:
+        closing.start()
+        closing.join(10.0)
+        elapsed = time.monotonic() - start
+    finally:
+        release.set()
+        monkeypatch.undo()
+        closing.join(10.0)
+        if dist.is_initialized():
+            real_destroy()
+    assert elapsed < 5.0, f"shutdown took {elapsed:.1f} s with the group's destroy blocked"
+    assert workers.closed and not [p for p in workers.procs if _alive(p.pid)]
 
 
 def _worker_failing_before_rendezvous(rank: int, size: int, init_method: str, args: object, errors) -> None:

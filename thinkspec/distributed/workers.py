@@ -38,6 +38,7 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank reaches the store
 # workers watch their parent.
 COLLECTIVE_TIMEOUT = timedelta(days=365)
 JOIN_TIMEOUT_S = 10.0
+LEAVE_TIMEOUT_S = 10.0  # for the EXIT broadcast and for leaving the group at shutdown
 
 # rank, world size, init_method, engine args, error queue
 WorkerEntry = Callable[[int, int, str, Any, Any], None]
@@ -206,14 +207,40 @@ class TPWorkers:
 
 def _close(procs: list[Any], device: torch.device) -> None:
     if dist.is_initialized():
-        if all(p.is_alive() for p in procs):
-            try:
-                _send_exit(device)
-            except Exception as e:  # noqa: BLE001 - a worker died meanwhile: stopped below
-                logger.warning("tensor-parallel shutdown: %s", e)
-        with contextlib.suppress(Exception):  # an aborted group may refuse; it is gone either way
-            dist.destroy_process_group()
-    _stop_processes(procs)
+        if all(p.is_alive() for p in procs) and not _bounded(lambda: _send_exit(device), LEAVE_TIMEOUT_S):
+            logger.warning("tensor-parallel shutdown: EXIT did not reach every worker; stopping them")
+        # The workers leave the group first (on EXIT, or stopped below): rank 0 then has nothing in
+        # flight with them when it leaves.
+        _stop_processes(procs)
+        _leave_group()
+    else:
+        _stop_processes(procs)
+
+
+def _bounded(fn: Callable[[], None], timeout_s: float) -> bool:
+    """Run fn in a daemon thread for at most timeout_s: True when it returned (an exception is logged
+    and counts as returned), False when it is still blocked (a collective a dead peer never joins)."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a worker died meanwhile: the caller stops the processes
+            logger.warning("tensor-parallel shutdown: %s", e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
+def _leave_group() -> None:
+    """Destroy the default group; abort it when destroying does not return (NCCL can block there), so
+    that shutdown never hangs and a later engine in this process can form a new group."""
+    if _bounded(dist.destroy_process_group, LEAVE_TIMEOUT_S) and not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None or not _bounded(abort, LEAVE_TIMEOUT_S) or dist.is_initialized():
+        logger.warning("tensor-parallel shutdown: the process group did not close")
 
 
 def _abort_on_death(procs: list[Any], finalizer: weakref.finalize) -> None:
@@ -231,6 +258,8 @@ def _abort_on_death(procs: list[Any], finalizer: weakref.finalize) -> None:
 def _send_exit(device: torch.device) -> None:
     values = torch.tensor(astuple(StepHeader(EXIT, *([0] * 10))), dtype=torch.int64, device=device)
     dist.broadcast(values, src=0)  # what the workers' StepChannel.recv_header waits for
+    if device.type == "cuda":  # NCCL only enqueues it: wait until every rank has it
+        torch.cuda.synchronize(device)
 
 
 def _stop_processes(procs: list[Any]) -> None:
