@@ -19,6 +19,9 @@
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
+#   skinny      Qwen3-8B projections at 4..64 rows: cuBLAS vs the skinny Triton GEMM's launch shapes, the
+#               per-step totals at rows 16 and 64, and the SKINNY_GEMM_TABLE entries it implies
+#               (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g. "--rows 16,64 --refine 1")
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
 #               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256")
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
@@ -127,6 +130,14 @@ if has gemv; then
   timeout "${GEMV_TIMEOUT:-240}" $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
     | tee "$OUT/gemv.log"
   record gemv "${PIPESTATUS[0]}" "${GEMV_TIMEOUT:-240}"
+fi
+
+if has skinny; then
+  timeout "${SKINNY_TIMEOUT:-300}" $PY benchmarks/bench_skinny_gemm.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} 2>&1 \
+    | tee "$OUT/skinny.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && $PY benchmarks/bench_skinny_gemm.py --table-from "$OUT/skinny.json" 2>&1 | tee -a "$OUT/skinny.log"
+  record skinny "$rc" "${SKINNY_TIMEOUT:-300}"
 fi
 
 if has attention; then
@@ -260,7 +271,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in host spec_round projection adaptive throughput gemv acceptance step toy_quality sweep tp; do
+for f in host spec_round projection adaptive throughput gemv skinny acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

@@ -118,11 +118,11 @@ def test_set_fused_kernels_switches_every_module():
     assert len(switched) == 1 + 2 * (4 + 1 + 1)  # final norm; per layer 4 norms, attention, MLP
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 1 + 2 * 4  # lm_head; per layer qkv, o, gate_up, down
-    assert not any(m.fused for m in switched) and not any(m.gemv for m in linears)
+    assert not any(m.fused for m in switched) and not any(m.gemv or m.skinny_gemm for m in linears)
     model.set_fused_kernels(True)
-    assert all(m.fused for m in switched) and all(m.gemv for m in linears)
+    assert all(m.fused for m in switched) and all(m.gemv and m.skinny_gemm for m in linears)
     set_fused_kernels(model, False)
-    assert not any(m.fused for m in switched) and not any(m.gemv for m in linears)
+    assert not any(m.fused for m in switched) and not any(m.gemv or m.skinny_gemm for m in linears)
 
 
 def test_wrappers_reject_bad_shapes():

@@ -115,3 +115,12 @@ def test_tp_stage_can_skip_its_test(tmp_path):
     rc, stdout, summary = _run(tmp_path, "tp", TP_TESTS="0")
     assert rc == 0, stdout
     assert "tp: ok" in summary.splitlines() and "tp_tests" not in summary
+
+
+def test_skinny_stage_passes_its_args_and_prints_the_table(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "skinny", SKINNY_ARGS="--rows 16,64")
+    assert rc == 0 and "skinny: ok" in summary.splitlines()
+    assert "fake run: benchmarks/bench_skinny_gemm.py --out" in stdout and "--rows 16,64" in stdout
+    assert "fake run: benchmarks/bench_skinny_gemm.py --table-from" in stdout
+    rc, _, summary = _run(tmp_path, "skinny", FAKE_FAIL="bench_skinny_gemm")
+    assert rc != 0 and "skinny: FAILED (exit 3)" in summary.splitlines()

@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from thinkspec.layers import attention_triton as at  # noqa: E402
 from thinkspec.layers import fused_triton as ft  # noqa: E402
+from thinkspec.layers import gemm_skinny_triton as gs  # noqa: E402
 from thinkspec.layers import gemv_triton as gt  # noqa: E402
 from thinkspec.sampling import rejection_triton as rt  # noqa: E402
 
@@ -30,8 +31,16 @@ FLOATS = {"eps", "qk_scale"}  # scalar float arguments; other scalars are int32
 ALIGNED = {"stride_lb", "stride_lr", "V", "CHUNK"}  # multiples of 16 at the engine's shapes
 
 
-def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, num_warps: int, **options):
-    """Compile `kernel` for sm_90 with these pointer element types (name -> "bf16", "i64", ...)."""
+def compile_sm90(
+    kernel,
+    pointers: dict[str, str],
+    constexprs: dict,
+    num_warps: int,
+    aligned: tuple[str, ...] = (),
+    **options,
+):
+    """Compile `kernel` for sm_90 with these pointer element types (name -> "bf16", "i64", ...);
+    `aligned` names more scalars that are multiples of 16 at the launch shapes of interest."""
     signature = {}
     for p in kernel.params:
         if p.is_constexpr:
@@ -41,8 +50,10 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, num_warps: 
         else:
             signature[p.name] = "fp32" if p.name in FLOATS else "i32"
     # As at run time, where Triton specialises on it: pointers and these scalars are 16-aligned.
-    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ALIGNED]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    divisible = [
+        i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ALIGNED or name in aligned
+    ]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton_compile(src, target=SM90, options={"num_warps": num_warps, **options})
     assert compiled.asm["cubin"], kernel.fn.__name__
@@ -130,6 +141,41 @@ def test_gemv_compiles_without_spills(rows, k):
     kernel = compile_sm90(gt._gemv_kernel, ptrs, constexprs, warps, num_stages=stages)
     usage = resource_usage(kernel.asm["cubin"])
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+@pytest.mark.parametrize("rows", [3, 16, 17, 64])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        (32, 64, 1, 4, 3),
+        (64, 128, 2, 4, 4),
+        (128, 128, 1, 8, 4),
+        (64, 256, 1, 8, 3),
+        (128, 64, 1, 4, 5),
+    ],
+)
+def test_skinny_gemm_compiles_pipelined_without_spills(rows, config):
+    # Qwen3-8B's o_proj (4096 x 4096), whose strides and K are multiples of 16 as at run time: the
+    # weight tiles must stream through cp.async stages (the kernel's point), with no spills, and fit
+    # the H200's 227 KiB of shared memory
+    n = k = 4096
+    block_n, block_k, split, warps, stages = config or gs.skinny_gemm_config(rows, n, k)
+    for split_out in {False, split > 1}:
+        constexprs = {
+            "HAS_BIAS": not split_out, "SPLIT": split_out, "BLOCK_M": max(16, triton.next_power_of_2(rows)),
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False,
+        }  # fmt: skip
+        ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
+        ptrs["y_ptr"] = "fp32" if split_out else "bf16"
+        aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
+        kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
+        usage = resource_usage(kernel.asm["cubin"])
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+        assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the weight loads are not pipelined"
+        assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+    ptrs = {"part_ptr": "fp32", "b_ptr": "bf16", "y_ptr": "bf16"}
+    compile_sm90(gs._split_k_sum_kernel, ptrs, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024}, 4)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

@@ -16,6 +16,7 @@ KERNEL_MODULES = (
     "thinkspec.layers.attention_triton",
     "thinkspec.layers.fused_triton",
     "thinkspec.layers.gemv_triton",
+    "thinkspec.layers.gemm_skinny_triton",
     "thinkspec.sampling.rejection_triton",
 )
 

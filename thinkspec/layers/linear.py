@@ -4,6 +4,9 @@
 kernels), runs one- and two-row products of weights up to GEMV_MAX_WEIGHT elements as the Triton GEMV
 of gemv_triton.py: at batch 1 cuBLAS reads those weights measurably below the HBM rate, while on
 larger weights (gate/up, lm_head) it reaches it (benchmarks/bench_gemv.py, docs/BENCHMARKS.md).
+With `skinny_gemm` on as well, products of 3..64 rows go to the Triton tensor-core GEMM of
+gemm_skinny_triton.py, but only for the (rows bucket, N, K) that its SKINNY_GEMM_TABLE lists (the
+shapes where bench_skinny_gemm measured it faster than cuBLAS); everything else stays on F.linear.
 `MergedLinear` runs several projections sharing one input as a single matmul: checkpoints store
 them separately (q_proj/k_proj/v_proj, gate_proj/up_proj); the loader copies each one into its
 row range with `load_shard`.
@@ -19,6 +22,7 @@ from thinkspec.distributed.parallel_state import TPLayout, all_reduce
 
 GEMV_MAX_ROWS = 2  # from 4 rows on cuBLAS's tensor-core kernels win (bench_gemv)
 GEMV_MAX_WEIGHT = 64 * 1024**2  # elements; Qwen3-8B's gate/up (100M) and lm_head stay on cuBLAS
+_HALF = (torch.bfloat16, torch.float16)  # the skinny GEMM's operand types
 
 
 # (dim, start, length) of a checkpoint tensor that a parameter holds; None = all of it
@@ -27,6 +31,7 @@ CheckpointSlice = tuple[int, int, int] | None
 
 class Linear(nn.Linear):
     gemv = False  # True: the Triton GEMV for the products described above (CUDA or TRITON_INTERPRET)
+    skinny_gemm = False  # True: the skinny Triton GEMM where SKINNY_GEMM_TABLE says it wins
 
     def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
         """The part of checkpoint tensor `leaf` ("weight" [out, in] / "bias" [out]; of projection
@@ -44,6 +49,11 @@ class Linear(nn.Linear):
             from thinkspec.layers.gemv_triton import gemv
 
             return gemv(x, self.weight, bias)
+        if self.skinny_gemm and x.dim() == 2 and x.dtype in _HALF and x.dtype == self.weight.dtype:
+            from thinkspec.layers import gemm_skinny_triton as gs
+
+            if gs.skinny_gemm_wins(x.shape[0], self.out_features, self.in_features):
+                return gs.skinny_gemm(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 

@@ -37,8 +37,9 @@ def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
     """Run the norms, residual adds, q/k norm + rotary and SiLU * up of every decoder layer inside
     `module` as fused Triton kernels (enabled; CUDA, or TRITON_INTERPRET=1) or as torch ops (the
     default, any device). Both compute the same values (see fused_triton.py). Also switches the
-    single-row products of the smaller linear layers to the Triton GEMV (layers/linear.py), which
-    equals F.linear up to the order of its float32 sums."""
+    single-row products of the smaller linear layers to the Triton GEMV, and the 3..64-row products
+    that SKINNY_GEMM_TABLE lists to the skinny Triton GEMM (layers/linear.py); both equal F.linear up
+    to the order of their float32 sums."""
     if enabled:
         import thinkspec.layers.fused_triton  # noqa: F401 (fail here, not mid-forward, without triton)
     for m in module.modules():
@@ -46,6 +47,7 @@ def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
             m.fused = enabled
         elif isinstance(m, Linear):
             m.gemv = enabled
+            m.skinny_gemm = enabled
 
 
 class DecoderAttention(nn.Module):

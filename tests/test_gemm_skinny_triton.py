@@ -1,0 +1,245 @@
+"""The skinny tensor-core GEMM (layers/gemm_skinny_triton.py) against F.linear, and Linear's dispatch.
+
+On CPU the kernel runs under the Triton interpreter in a child pytest (`test_kernels_under_interpreter`);
+run those cases directly with `TRITON_INTERPRET=1 pytest tests/test_gemm_skinny_triton.py -k test_interp_`.
+The kernel sums float32 products and rounds once to bf16/fp16, so it agrees with F.linear in float32
+to one rounding of the result plus the float32 sums' order. GPU cases (Qwen3-8B shapes, CUDA graphs)
+are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not importable")
+
+from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
+
+from thinkspec.layers import gemm_skinny_triton as gs  # noqa: E402
+from thinkspec.layers import linear  # noqa: E402
+from thinkspec.layers.gemm_skinny_triton import skinny_gemm  # noqa: E402
+
+gpu = pytest.mark.gpu
+
+
+@parent_only
+def test_kernels_under_interpreter():
+    run_interpreter_cases(__file__)
+
+
+def _reference(x, w, b):
+    # x [M, K], w [N, K], b [N] or None -> float32 [M, N] from the operands' exact values
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    ref = _reference(x, w, b)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    eps = torch.finfo(out.dtype).eps
+    # one rounding of the result, plus float32 sums in another order (|x| |w| bounds their error)
+    sum_err = 1e-6 * x.shape[1] * (x.float().abs() @ w.float().abs().T)
+    bound = ref.abs() * eps + sum_err + 1e-30
+    err = (out.float() - ref).abs()
+    assert (err <= bound).all(), (
+        f"max error {err.max().item()} (bound there {bound[err.argmax() // ref.shape[1]]})"
+    )
+
+
+def _operands(m: int, n: int, k: int, bias: bool, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + m * 1000 + n * 7 + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def test_config_fits_the_shape():
+    for rows in (3, 16, 64):
+        for n, k in ((4096, 4096), (6144, 4096), (4096, 12288), (151936, 4096), (37, 100)):
+            block_n, block_k, split, warps, stages = gs.skinny_gemm_config(rows, n, k)
+            assert block_n in (32, 64, 128) and block_k & (block_k - 1) == 0 and 16 <= block_k <= 256
+            assert split in (1, 2, 4) and warps in (4, 8) and stages >= 1
+            assert split == 1 or triton_cdiv(n, block_n) < 264  # split only when SMs would idle
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def test_row_buckets():
+    assert [gs.row_bucket(r) for r in (3, 4, 5, 8, 9, 16, 17, 33, 64)] == [4, 4, 8, 8, 16, 16, 32, 64, 64]
+
+
+def test_rejects_bad_operands():
+    with pytest.raises(ValueError, match="M <= 64"):
+        skinny_gemm(torch.zeros(65, 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\(3, 7\)"):
+        skinny_gemm(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(3, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        skinny_gemm(torch.zeros(4, 8), torch.zeros(3, 8))
+
+
+# Small blocks keep the interpreter quick; every path still runs: K tail (100, 300), N tail (37, 130),
+# split K (2 and 3 slices, the last one short), padding rows (3, 17 -> 16, 32).
+SMALL = (32, 64, 1, 4, 3)
+SPLIT2 = (32, 64, 2, 4, 3)
+SPLIT3 = (16, 32, 3, 4, 2)
+
+
+@interp
+@pytest.mark.parametrize("m", [3, 16, 17, 64])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (130, 256), (64, 300)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [SMALL, SPLIT2], ids=["split1", "split2"])
+def test_interp_matches_linear(m, n, k, bias, config):
+    x, w, b = _operands(m, n, k, bias)
+    _check(skinny_gemm(x, w, b, config=config), x, w, b)
+
+
+@interp
+@pytest.mark.parametrize("config", [SPLIT3, (64, 128, 1, 4, 3), (128, 16, 4, 8, 5)])
+def test_interp_launch_shapes_and_strided_operands(config):
+    # every launch shape computes the same products; x and w are strided views (rows of wider tensors)
+    x, w, b = _operands(20, 150, 420, True, dtype=torch.float16, seed=3)
+    wide_x = torch.randn(20, 500).half()
+    wide_w = torch.randn(150, 450).half()
+    wide_x[:, 30:450] = x
+    wide_w[:, 10:430] = w
+    xs, ws = wide_x[:, 30:450], wide_w[:, 10:430]
+    _check(skinny_gemm(xs, ws, b, config=config), x, w, b)
+
+
+@interp
+def test_interp_zeros_and_large_values():
+    x, w, b = _operands(5, 70, 200, True)
+    # zero rows give exactly the bias; zero weight rows exactly 0 (+ bias)
+    x[1].zero_()
+    w[3].zero_()
+    for config in (SMALL, SPLIT2):
+        out = skinny_gemm(x, w, b, config=config)
+        assert torch.equal(out[1], b)
+        assert torch.equal(out[:, 3], b[3].expand(5))
+        assert torch.equal(skinny_gemm(x, w, None, config=config)[:, 3], torch.zeros(5, dtype=x.dtype))
+        _check(out, x, w, b)
+    # large magnitudes (products and sums ~1e33, past fp16's range): float32 accumulation, still finite
+    big_x, big_w = (x.float() * 1e17).bfloat16(), (w.float() * 1e17).bfloat16()
+    for config in (SMALL, SPLIT2):
+        out = skinny_gemm(big_x, big_w, b, config=config)
+        assert torch.isfinite(out).all()
+        _check(out, big_x, big_w, b)
+
+
+@interp
+def test_interp_default_config_and_empty_shapes():
+    x, w, b = _operands(9, 300, 520, True)
+    _check(skinny_gemm(x, w, b), x, w, b)  # skinny_gemm_config's rule, splitting K
+    bf = torch.bfloat16
+    assert skinny_gemm(torch.zeros(0, 8, dtype=bf), torch.zeros(3, 8, dtype=bf)).shape == (0, 3)
+    assert skinny_gemm(torch.zeros(4, 8, dtype=bf), torch.zeros(0, 8, dtype=bf)).shape == (4, 0)
+    bias = torch.tensor([1.0, 2.0, 3.0], dtype=bf)
+    out = skinny_gemm(torch.zeros(2, 0, dtype=bf), torch.zeros(3, 0, dtype=bf), bias)
+    assert torch.equal(out, bias.expand(2, 3))
+
+
+@interp
+def test_interp_linear_dispatches_by_the_table(monkeypatch):
+    calls = []
+    real = gs.skinny_gemm
+    monkeypatch.setattr(gs, "skinny_gemm", lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
+    monkeypatch.setattr(gs, "SKINNY_GEMM_TABLE", {})
+    layer = linear.Linear(96, 70, bias=True).to(torch.bfloat16)
+    other = linear.Linear(96, 40, bias=False).to(torch.bfloat16)
+    x = torch.randn(64, 96).to(torch.bfloat16)
+
+    def agree(lay, rows):
+        out = lay(x[:rows])
+        ref = F.linear(x[:rows], lay.weight, lay.bias)
+        _check(out, x[:rows], lay.weight.detach(), None if lay.bias is None else lay.bias.detach())
+        return out, ref
+
+    layer.skinny_gemm = other.skinny_gemm = True
+    for rows in (3, 8, 16):
+        out, ref = agree(layer, rows)
+        assert torch.equal(out, ref)  # empty table: cuBLAS (F.linear) itself
+    assert not calls
+    # the table names (bucket 8, N 70, K 96) and (bucket 64, 70, 96): rows 5..8 and 33..64 of this layer
+    monkeypatch.setattr(gs, "SKINNY_GEMM_TABLE", {(8, 70, 96): SMALL, (64, 70, 96): SPLIT2})
+    for rows in (3, 4, 5, 8, 9, 16, 33, 64):
+        agree(layer, rows)
+    agree(other, 8)  # another shape: not in the table
+    assert calls == [(5, 96), (8, 96), (33, 96), (64, 96)]
+    layer.skinny_gemm = False  # switched off: cuBLAS whatever the table says
+    out, ref = agree(layer, 8)
+    assert torch.equal(out, ref) and len(calls) == 4
+    layer.skinny_gemm = True
+    layer.float()  # float32 layers stay on F.linear
+    layer(x[:8].float())
+    layer(x[:8].float().unsqueeze(0))  # [1, rows, in]: not a 2-d batch of rows
+    assert len(calls) == 4
+
+
+@interp
+def test_interp_benchmark_smoke(tmp_path):
+    # bench_skinny_gemm --small: tiny shapes, each launch shape checked against F.linear, JSON written,
+    # and --table-from reads it back
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_skinny_gemm.py"
+    out = tmp_path / "skinny.json"
+    flags = ["--rows", "16", "--block-n", "32", "--block-k", "64", "--split", "1,2", "--warps", "4",
+             "--stages", "3", "--refine", "1"]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), "--small", *flags, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {(r["shape"], r["rows"]) for r in result["rows"]} == {
+        (s, m) for s in ("qkv", "o", "gate_up", "down", "lm_head") for m in (16,)
+    }
+    assert all(r["best"] in r["triton"] for r in result["rows"])
+    assert [t["rows"] for t in result["step_totals"]] == [16]
+    proc = subprocess.run([sys.executable, str(script), "--table-from", str(out), "--min-gain", "-1"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.count("(32, 64, 1, 4, 3)") == 5, proc.stdout
+
+
+# ---------------------------------------------------------------- GPU cases (real sizes)
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+)
+@pytest.mark.parametrize("m", [3, 16, 64])
+def test_gpu_matches_cublas_at_model_shapes(n, k, m):
+    g = torch.Generator(device="cuda").manual_seed(n + k + m)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float(), b.float())
+    for config in (None, (64, 128, 1, 4, 4), (32, 256, 4, 4, 3)):
+        out = skinny_gemm(x, w, b, config=config)
+        assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-4).all()
+        assert (out == ref.bfloat16()).float().mean().item() > 0.99
+
+
+@gpu
+@torch.inference_mode()
+@pytest.mark.parametrize("split", [1, 4])
+def test_gpu_replays_in_a_cuda_graph(split):
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    config = (64, 128, split, 4, 4)
+    eager = skinny_gemm(x, w, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_gemm(x, w, config=config)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured, eager)
+    assert torch.equal(captured, skinny_gemm(x, w, config=config))

@@ -1,0 +1,214 @@
+"""Skinny tensor-core matmul for decode steps: y = x @ W.T (+ b) for 3..64 rows of x.
+
+At batch 4..64 a decode step's products still cost about one read of the weights: the rows of x
+are few, so the tensor cores idle while W streams in from HBM. This kernel is built to stream W
+at the HBM rate and nothing else:
+
+  grid (cdiv(N, BLOCK_N), SPLIT_K): program (j, s) owns outputs n in [j*BLOCK_N, (j+1)*BLOCK_N) for
+  every row of x and the s-th of SPLIT_K equal slices of K (whole BLOCK_K steps). Each K step loads
+  one [BLOCK_N, BLOCK_K] tile of W (read once, evicted first) and the [BLOCK_M, BLOCK_K] tile of x
+  (rows padded to BLOCK_M >= 16 for tl.dot; x is small and stays in L2), and accumulates
+  W_tile @ x_tile.T into float32 [BLOCK_N, BLOCK_M]. W is the dot's left operand ("swap AB"), so the
+  MMA's wide dimension is spent on the weight's rows and the narrow one on the batch; num_stages
+  keeps that many W tiles in flight.
+
+  SPLIT_K > 1 (when N / BLOCK_N programs alone would leave SMs idle, as at N = 4096) writes float32
+  partials [SPLIT_K, M, N], and a second small launch sums them in a fixed order, adds the bias and
+  rounds once: no atomics, so the result does not depend on timing.
+
+Numerics: products and sums in float32, the result rounded once to x's dtype (as cuBLAS does, up to
+summation order). Shapes alone decide the grid and the partials' size, so launches are CUDA-graph
+capturable (no host syncs, no data-dependent allocation). On CPU this runs under
+TRITON_INTERPRET=1 (tests); `F.linear` is the reference.
+
+Which (rows, N, K) go to this kernel rather than cuBLAS is decided by measurement only:
+`SKINNY_GEMM_TABLE` below, filled from benchmarks/bench_skinny_gemm.py (see its docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
+MAX_ROWS = 64
+ROW_BUCKETS = (4, 8, 16, 32, 64)  # the row counts bench_skinny_gemm measures; rows round up to one
+
+# Launch config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
+Config = tuple[int, int, int, int, int]
+
+# The measured winners: (rows bucket, N, K) -> the launch config that beat cuBLAS there on the H200.
+# `Linear` (layers/linear.py) sends a product to this kernel only when its (bucket, N, K) is a key;
+# everything else stays on cuBLAS. Empty until measured: fill it from bench_skinny_gemm's JSON with
+#   python benchmarks/bench_skinny_gemm.py --table-from skinny.json
+# which prints the entries (cells where the best launch shape beat cuBLAS by --min-gain).
+SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {}
+
+
+def row_bucket(num_rows: int) -> int:
+    """The smallest measured row count >= num_rows (MIN_ROWS <= num_rows <= MAX_ROWS)."""
+    return next(b for b in ROW_BUCKETS if b >= num_rows)
+
+
+def skinny_gemm_wins(num_rows: int, n: int, k: int) -> bool:
+    """Whether the table says this kernel beats cuBLAS for an [num_rows, k] x [n, k].T product."""
+    if not MIN_ROWS <= num_rows <= MAX_ROWS:
+        return False
+    return (row_bucket(num_rows), n, k) in SKINNY_GEMM_TABLE
+
+
+def skinny_gemm_config(num_rows: int, n: int, k: int) -> Config:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [num_rows, k] x [n, k].T product:
+    the table's entry when there is one, else a shape rule (enough programs to fill 132 SMs twice,
+    64 KiB of W in flight per program)."""
+    if MIN_ROWS <= num_rows <= MAX_ROWS:
+        hit = SKINNY_GEMM_TABLE.get((row_bucket(num_rows), n, k))
+        if hit is not None:
+            return hit
+    block_n = 64 if n >= 64 * 264 else 32
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    split = 1
+    while triton.cdiv(n, block_n) * split < 264 and k >= 2 * split * 2 * block_k and split < 4:
+        split *= 2
+    return block_n, block_k, split, 4, 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K], last dim contiguous
+    stride_x,
+    w_ptr,  # [N, K], last dim contiguous
+    stride_w,
+    b_ptr,  # [N] (HAS_BIAS)
+    y_ptr,  # [M, N] in x's dtype (SPLIT == False) or float32 partials [SPLIT_K, M, N] (SPLIT == True)
+    stride_y,  # row stride of y / of one partial slice
+    stride_ys,  # stride between partial slices (SPLIT)
+    M,
+    N,
+    K,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
+    DOT_F32: tl.constexpr,  # widen the operands first (exact): the CPU interpreter's bf16 dot is wrong
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    # Out-of-range columns and padding rows read valid rows (wrapped) instead of masking the
+    # streaming loads; their results are never stored.
+    w_rows = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+    x_rows = rows % M
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    x_base = x_ptr + x_rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_base + k0, eviction_policy="evict_first")
+            x = tl.load(x_base + k0)
+        else:
+            # masked on both sides: out-of-range x could be inf/NaN, and inf * 0 is NaN
+            k_ok = (k0 + ks) < k_end
+            w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    store_ok = (cols < N)[:, None] & (rows < M)[None, :]
+    if SPLIT:
+        out = y_ptr + pid_k * stride_ys + rows[None, :] * stride_y + cols[:, None]
+        tl.store(out, acc, mask=store_ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        out = y_ptr + rows[None, :] * stride_y + cols[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _split_k_sum_kernel(
+    part_ptr,  # [SPLIT_K, M * N] float32
+    b_ptr,  # [N] (HAS_BIAS)
+    y_ptr,  # [M * N], contiguous
+    MN,
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # a fixed order: the same sum every run
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+_SUM_BLOCK = 1024
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS; bf16 or fp16), weight [N, K] (x's dtype), bias [N] or None -> [M, N]
+    in x's dtype.
+
+    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k:
+        shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
+        raise ValueError(f"skinny_gemm takes [M <= {MAX_ROWS}, K] x [N, K], got {shapes}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise ValueError(
+            f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k)
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(split, steps))
+    k_per_split = triton.cdiv(steps, split) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slices
+    b = bias if bias is not None else weight
+    meta = dict(
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        DOT_F32=x.device.type == "cpu", num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    grid = (triton.cdiv(n, block_n), split)
+    if split == 1:
+        _skinny_gemm_kernel[grid](
+            x, x.stride(0), weight, weight.stride(0), b, y, y.stride(0), 0, m, n, k, k_per_split,
+            HAS_BIAS=bias is not None, SPLIT=False, **meta,
+        )  # fmt: skip
+        return y
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _skinny_gemm_kernel[grid](
+        x, x.stride(0), weight, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
+        HAS_BIAS=False, SPLIT=True, **meta,
+    )  # fmt: skip
+    _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
+        part, b, y, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4
+    )
+    return y
