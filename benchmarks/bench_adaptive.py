@@ -22,11 +22,29 @@ median tok/s with its min-max. The acceptance criteria reported per batch size:
   adaptive / max(plain, best fixed k)  >= 0.95   (good profile)
   adaptive / plain                     >= 0.98   (bad profile); >= 1.9 at batch 1 (good profile)
 
+--toy measures the bundled toy pair instead (target and draft of thinkspec/assets/toy-reasoner/),
+with real acceptance: relaxed thinking on (--relax RATIO:TOP_K), the qwen3 reasoning parser, as
+`thinkspec sweep` runs it. A cell at batch b answers the first b problems of a fixed-seed toy
+dataset (--toy-level; chat-formatted as the sweep formats them) in one generate call, max_tokens
+the level's budget (or --max-tokens), at --temperature; tok/s = output tokens / wall time, as the
+sweep counts it. Cells: plain, fixed k (--fixed-ks) and adaptive. Each cell's greedy outputs must
+repeat exactly across repetitions (RuntimeError otherwise); adaptive's are not compared with fixed
+k's, since relaxed acceptance depends on where the windows end. The criterion reported per batch:
+
+  adaptive / best fixed k  >= 1.0   (toy pair, relaxed)
+
+Every speculating row records its mean acceptance length per repetition (0.0: no step speculated)
+and, on the toy pair, the problems answered right and its outputs' fingerprints; adaptive rows the
+draft_length_histogram per phase of their last repetition.
+
 Writes JSON (--out; rewritten after every repetition, so a run cut short keeps what it measured)
 and prints a table last.
 
     python3 benchmarks/bench_adaptive.py --out adaptive.json                                   # H200
+    python3 benchmarks/bench_adaptive.py --toy --batch-sizes 1,16,64 --out adaptive-toy.json   # H200
     python3 benchmarks/bench_adaptive.py --small --device cpu --batch-sizes 1,2 --output-len 24 \\
+        --repeats 1 --fixed-ks 1,2 --k-max 2                                                   # smoke test
+    python3 benchmarks/bench_adaptive.py --toy --device cpu --batch-sizes 1,2 --max-tokens 24 \\
         --repeats 1 --fixed-ks 1,2 --k-max 2                                                   # smoke test
 """
 
@@ -37,19 +55,31 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.bench.bench import format_prompts, run_cell
+from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
+from thinkspec.bench.sweep import RelaxSetting
 from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds, quiet_heap
 from thinkspec.spec_decode.draft_length import AdaptiveDraftLength, ForcedDraftLength
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.step_costs import StepCostModel
+from thinkspec.toy.assets import resolve_model_path
+from thinkspec.toy.task import LEVELS
 
 DROPPED: list[str] = []  # timed runs that built something, run again
 PROFILES = {"good": (4.6, 2.5, 0.9), "bad": (1.5, 1.5, 0.9)}  # thinking AL, answer AL, thinking share
+TOY_DATASET_SEED = 20261201  # the sweep's default --dataset-seed
+TOY_PAIR = ("toy-reasoner", "toy-reasoner-draft")
+# One timed sample: (tok/s, the run's speculative metrics or None, {"digest", "correct"} on the toy pair).
+Sample = tuple[float, SpecDecodeMetrics | None, dict[str, Any]]
 
 
 def constant_rate_shares(al: float, k: int) -> list[float]:
@@ -70,17 +100,19 @@ def synthetic_profile(name: str, k: int, output_len: int) -> dict:
     }
 
 
-def use(llm: LLM, profile: dict, chooser) -> None:
-    """Point the speculating engine at a profile and a draft-length policy (benchmark only)."""
+def use(llm: LLM, profile: dict | None, chooser) -> None:
+    """Point the speculating engine at a profile (None: real acceptance, the toy pair) and a
+    draft-length policy (benchmark only)."""
     spec = llm.llm_engine.speculator
-    spec.config.synthetic_acceptance_profile = profile
-    spec._synthetic_table = None  # rebuilt from the profile on the next step
+    if profile is not None:
+        spec.config.synthetic_acceptance_profile = profile
+        spec._synthetic_table = None  # rebuilt from the profile on the next step
     spec.draft_length = chooser
 
 
-def timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, SpecDecodeMetrics | None]:
+def timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> Sample:
     """(decode tok/s of output_len tokens minus a 1-token run (prefill + first token), the long run's
-    speculative metrics)."""
+    speculative metrics, {})."""
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -92,34 +124,74 @@ def timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
         seconds = run(output_len)
         metrics = llm.last_spec_metrics
         seconds -= run(1)
-    return len(prompts) * (output_len - 1) / seconds, metrics
+    return len(prompts) * (output_len - 1) / seconds, metrics, {}
+
+
+def toy_run(llm: LLM, items: list[BenchItem], texts: list[str], args) -> Sample:
+    """One generate call over the items, as a sweep cell runs it: (output tokens / wall seconds, its
+    speculative metrics, {"digest": fingerprint of the output ids, "correct": problems answered right})."""
+    with quiet_heap():
+        cell = run_cell(llm, items, "toy", {"temperature": args.temperature}, args.temperature,
+                        args.max_tokens, 0, texts, use_tqdm=False)  # fmt: skip
+    facts = {"digest": cell.extra["output_digest"], "correct": sum(cell.correct)}
+    return sum(cell.output_tokens) / cell.seconds, llm.last_spec_metrics, facts
+
+
+def primary(args) -> str:
+    """The profile the fixed-k / adaptive comparison is made in."""
+    return "toy" if args.toy else "good"
 
 
 def build_cells(args) -> list[tuple[str, str, str, int | None]]:
     """(cell name, profile, engine, k) with k None = adaptive (plain: the plain engine)."""
     cells = [("plain", "", "plain", None)]
-    for prof, ks in (("good", args.fixed_ks), ("bad", args.bad_fixed_ks)):
+    sets = (("toy", args.fixed_ks),) if args.toy else (("good", args.fixed_ks), ("bad", args.bad_fixed_ks))
+    for prof, ks in sets:
         cells += [(f"{prof} k={k}", prof, "spec", k) for k in ks]
         cells.append((f"{prof} adaptive", prof, "spec", None))
     if args.check_k:
-        cells.append((f"good k={args.check_k} own engine", "good", "check", args.check_k))
+        cells.append((f"{primary(args)} k={args.check_k} own engine", primary(args), "check", args.check_k))
     return cells
 
 
-def build_engines(args, tdir: Path, ddir: Path, common: dict) -> dict[str, LLM]:
+def vocab_size(args) -> int:
+    return 1024 if args.small else 151936
+
+
+def spec_config(args, ddir: Path, k: int, adaptive: bool) -> dict:
+    """Speculative config of a K = k engine: the toy pair relaxed, else the good synthetic draft."""
+    cfg: dict[str, Any] = {"model": str(ddir), "num_speculative_tokens": k}
+    if adaptive:
+        cfg["adaptive_k"] = True
+    if args.toy:
+        ratio, top_k = args.relax
+        cfg.update(reasoning_parser="qwen3", relaxed_thinking=True, relax_ratio=ratio, relax_top_k=top_k)
+    else:
+        cfg["synthetic_acceptance_profile"] = synthetic_profile("good", k, args.output_len)
+    return cfg
+
+
+def build_engines(args, tmp: Path, max_batch: int) -> dict[str, LLM]:
+    """The plain engine, the speculating one (K = --k-max, adaptive_k) and --check-k's own."""
+    cuda = torch.device(args.device).type == "cuda"
+    kv = args.kv_cache_memory if args.kv_cache_memory is not None else (16 << 30 if cuda else None)
+    common: dict[str, Any] = dict(device=args.device, max_num_seqs=max_batch, kv_cache_memory=kv)
+    if args.toy:  # the checkpoints' own dtype on GPU, float32 on CPU, as the sweep loads them
+        tdir, ddir = (Path(resolve_model_path(name)) for name in TOY_PAIR)
+    else:
+        vocab = vocab_size(args)
+        tdir = write_config(tmp / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
+        ddir = write_config(tmp / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
+        common.update(
+            dtype="bfloat16" if cuda else "float32", load_format="dummy", skip_tokenizer_init=True,
+            max_model_len=args.prompt_len + args.output_len + 2 * args.k_max + 8,
+        )  # fmt: skip
     engines = {"plain": LLM(tdir, **common)}
-    good = synthetic_profile("good", args.k_max, args.output_len)
-    spec = {"model": str(ddir), "num_speculative_tokens": args.k_max, "adaptive_k": True,
-            "synthetic_acceptance_profile": good}  # fmt: skip
-    engines["spec"] = LLM(tdir, speculative_config=spec, **common)
+    engines["spec"] = LLM(tdir, speculative_config=spec_config(args, ddir, args.k_max, True), **common)
     if args.check_k:
-        good = synthetic_profile("good", args.check_k, args.output_len)
-        own = {
-            "model": str(ddir),
-            "num_speculative_tokens": args.check_k,
-            "synthetic_acceptance_profile": good,
-        }
-        engines["check"] = LLM(tdir, speculative_config=own, **common)
+        engines["check"] = LLM(
+            tdir, speculative_config=spec_config(args, ddir, args.check_k, False), **common
+        )
     return engines
 
 
@@ -129,60 +201,130 @@ def prepare(cell, engines: dict[str, LLM], choosers: dict[str, AdaptiveDraftLeng
     llm = engines[engine]
     if engine == "spec":
         chooser = choosers[prof] if k is None else ForcedDraftLength.fixed(args.k_max, k)
-        use(llm, synthetic_profile(prof, args.k_max, args.output_len), chooser)
+        use(llm, None if args.toy else synthetic_profile(prof, args.k_max, args.output_len), chooser)
     return llm
 
 
-def summarise(rows: list[dict], batches: list[int]) -> list[dict]:
+def sampler(args, engines, choosers, data) -> Callable[[tuple, int], tuple[LLM, Callable[[], Sample]]]:
+    """(cell, batch) -> (its engine, set up, and a function that runs the cell once at that batch);
+    data: the random prompts, or the toy problems with their prompt texts."""
+
+    def sample(cell: tuple, b: int) -> tuple[LLM, Callable[[], Sample]]:
+        llm = prepare(cell, engines, choosers, args)
+        if args.toy:
+            items, texts = data
+            return llm, lambda: toy_run(llm, items[:b], texts[:b], args)
+        return llm, lambda: timed_run(llm, data[:b], args.output_len)
+
+    return sample
+
+
+def summarise(rows: list[dict], batches: list[int], args) -> list[dict]:
     """Per batch size: the criteria's ratios from the median figures."""
     med = {(r["cell"], r["batch"]): r["tok_per_s"] for r in rows}
+    main = primary(args)
     out = []
     for b in batches:
         plain = med.get(("plain", b))
-        good_fixed = {
-            c: v for (c, bb), v in med.items() if bb == b and c.startswith("good k=") and "own" not in c
+        fixed = {
+            c: v for (c, bb), v in med.items() if bb == b and c.startswith(f"{main} k=") and "own" not in c
         }
-        best = max(good_fixed.items(), key=lambda kv: kv[1], default=(None, None))
-        good, bad = med.get(("good adaptive", b)), med.get(("bad adaptive", b))
+        best = max(fixed.items(), key=lambda kv: kv[1], default=(None, None))
+        adaptive = med.get((f"{main} adaptive", b))
         row = {"batch": b, "plain": plain, "best_fixed": best[0], "best_fixed_tok_per_s": best[1],
-               "good_adaptive": good, "bad_adaptive": bad}  # fmt: skip
-        if plain and good and best[1]:
-            row["good_adaptive_over_best"] = good / max(plain, best[1])
-            row["good_adaptive_over_plain"] = good / plain
+               f"{main}_adaptive": adaptive}  # fmt: skip
+        if args.toy:
+            if adaptive and best[1]:
+                row["adaptive_over_best_fixed"] = adaptive / best[1]
+            if adaptive and plain:
+                row["adaptive_over_plain"] = adaptive / plain
+            out.append(row)
+            continue
+        bad = row["bad_adaptive"] = med.get(("bad adaptive", b))
+        if plain and adaptive and best[1]:
+            row["good_adaptive_over_best"] = adaptive / max(plain, best[1])
+            row["good_adaptive_over_plain"] = adaptive / plain
         if plain and bad:
             row["bad_adaptive_over_plain"] = bad / plain
         out.append(row)
     return out
 
 
-def rows_of(times: dict, hists: dict, batches: list[int], cells) -> list[dict]:
+def rows_of(stats: dict, batches: list[int], cells) -> list[dict]:
+    """One row per cell and batch: median tok/s with min-max, and the facts its runs recorded."""
     rows = []
     for cell in cells:
         for b in batches:
-            reps = times[(cell[0], b)]
+            reps = stats["times"][(cell[0], b)]
             if not reps:
                 continue
             med = statistics.median(reps)
             row = {"cell": cell[0], "profile": cell[1], "k": cell[3], "batch": b, "tok_per_s": med,
                    "min": min(reps), "max": max(reps), "reps": reps}  # fmt: skip
-            if (cell[0], b) in hists:
-                row["draft_length_histogram"] = hists[(cell[0], b)]
+            row.update(stats["facts"].get((cell[0], b), {}))
+            if (cell[0], b) in stats["hists"]:
+                row["draft_length_histogram"] = stats["hists"][(cell[0], b)]
             rows.append(row)
     return rows
 
 
+def is_adaptive(cell) -> bool:
+    return cell[2] == "spec" and cell[3] is None
+
+
+def record(stats: dict, cell, b: int, sample: Sample, args, what: str) -> None:
+    """Keep one timed sample; RuntimeError when the greedy outputs of a toy cell with a fixed policy
+    (plain, fixed k) differ from its first run's. Adaptive's may differ and are only recorded: its
+    choices follow what it learns (acceptance, measured step times) and relaxed acceptance depends on
+    where the windows end."""
+    tok_s, metrics, facts = sample
+    key = (cell[0], b)
+    stats["times"][key].append(tok_s)
+    kept = stats["facts"].setdefault(key, {})
+    if metrics is not None:
+        als = kept.setdefault("acceptance_length_reps", [])
+        als.append(round(metrics.mean_acceptance_length(), 4))
+        kept["mean_acceptance_length"] = statistics.median(als)
+        if is_adaptive(cell):  # the last repetition's
+            stats["hists"][key] = {p: metrics.phase(p).draft_length_histogram for p in ("thinking", "answer")}
+    if "correct" in facts:
+        kept.setdefault("correct_reps", []).append(facts["correct"])
+        kept["num_problems"] = b
+    if "digest" in facts:
+        digests = kept.setdefault("output_digest_reps", [])
+        digests.append(facts["digest"])
+        kept["outputs_repeat"] = len(set(digests)) == 1
+        if args.temperature == 0 and not is_adaptive(cell) and not kept["outputs_repeat"]:
+            raise RuntimeError(f"{what}: greedy outputs differ from the cell's first run: not deterministic")
+
+
 def print_table(result: dict) -> None:
-    print(f"adaptive_k, {result['shape']}, K={result['k_max']}, {result['output_len']} output tokens, "
-          f"{result['repeats']} repeats (median tok/s, min-max)")  # fmt: skip
+    if result.get("toy"):
+        t = result["toy"]
+        print(f"adaptive_k on the toy pair ({t['level']}, relax {t['relax_ratio']:g}:{t['relax_top_k']}, "
+              f"T={t['temperature']:g}, max_tokens {t['max_tokens']}), K={result['k_max']}, "
+              f"{result['repeats']} repeats (median tok/s, min-max, mean acceptance length)")  # fmt: skip
+    else:
+        print(f"adaptive_k, {result['shape']}, K={result['k_max']}, {result['output_len']} output tokens, "
+              f"{result['repeats']} repeats (median tok/s, min-max)")  # fmt: skip
     for r in result["rows"]:
-        print(
-            f"  {r['cell']:<24} batch {r['batch']:>4} {r['tok_per_s']:>10.1f}  {r['min']:.1f}-{r['max']:.1f}"
-        )
+        al = r.get("mean_acceptance_length")
+        al = "" if al is None else f"  AL {al:.2f}" if al else "  AL - (no step speculated)"
+        spread = f"{r['min']:.1f}-{r['max']:.1f}"
+        print(f"  {r['cell']:<24} batch {r['batch']:>4} {r['tok_per_s']:>10.1f}  {spread}{al}")
+    (print_toy_summary if result.get("toy") else print_summary)(result["summary"])
+
+
+def _formatted(s: dict) -> dict[str, str]:
+    return {key: "-" if s.get(key) is None else format(s[key], ".3f" if "over" in key else ".0f")
+            for key in s if key not in ("batch", "best_fixed")}  # fmt: skip
+
+
+def print_summary(summary: list[dict]) -> None:
     print(f"{'batch':>5} {'plain':>9} {'best fixed':>16} {'adaptive':>9} {'ad/best':>8} {'ad/plain':>8} "
           f"{'bad ad':>9} {'bad/plain':>9}")  # fmt: skip
-    for s in result["summary"]:
-        v = {key: "-" if s.get(key) is None else format(s[key], ".3f" if "over" in key else ".0f")
-             for key in s if key not in ("batch", "best_fixed")}  # fmt: skip
+    for s in summary:
+        v = _formatted(s)
         best = f"{s['best_fixed'] or '-'} {v['best_fixed_tok_per_s']}"
         print(f"{s['batch']:>5} {v['plain']:>9} {best:>16} {v['good_adaptive']:>9} "
               f"{v.get('good_adaptive_over_best', '-'):>8} {v.get('good_adaptive_over_plain', '-'):>8} "
@@ -192,14 +334,22 @@ def print_table(result: dict) -> None:
     )
 
 
-def timed_sample(
-    llm: LLM, prompts: list[list[int]], args, what: str
-) -> tuple[float, SpecDecodeMetrics | None]:
-    """timed_run that never counts a build: a run that captured or compiled (a draft length the
-    warm-up did not reach at this batch, say) is reported, dropped and run again, now warm."""
+def print_toy_summary(summary: list[dict]) -> None:
+    print(f"{'batch':>5} {'plain':>9} {'best fixed':>16} {'adaptive':>9} {'ad/best':>8} {'ad/plain':>8}")
+    for s in summary:
+        v = _formatted(s)
+        best = f"{s['best_fixed'] or '-'} {v['best_fixed_tok_per_s']}"
+        ratios = f"{v.get('adaptive_over_best_fixed', '-'):>8} {v.get('adaptive_over_plain', '-'):>8}"
+        print(f"{s['batch']:>5} {v['plain']:>9} {best:>16} {v['toy_adaptive']:>9} {ratios}")
+    print("criterion (toy pair, relaxed): ad/best >= 1.0 at every batch (ad/best = adaptive / best fixed k)")
+
+
+def timed_sample(llm: LLM, run: Callable[[], Sample], what: str) -> Sample:
+    """run() that never counts a build: a run that captured or compiled (a draft length the warm-up
+    did not reach at this batch, say) is reported, dropped and run again, now warm."""
     for attempt in range(3):
         before = build_counts(llm)
-        out = timed_run(llm, prompts, args.output_len)
+        out = run()
         try:
             check_no_builds(before, build_counts(llm), what)
             return out
@@ -228,41 +378,47 @@ def cost_model_table(costs: StepCostModel, max_batch: int) -> dict:
     return out
 
 
-def measure(args, engines, choosers, cells, batches, prompts, result) -> None:
+def measure(args, engines, choosers, cells, batches, data, result) -> None:
     """Warm every cell at every batch size, then the timed round-robin repetitions."""
+    sample = sampler(args, engines, choosers, data)
     for llm in engines.values():
         capture_graphs(llm, max(batches))
     for b in batches:
         for cell in cells:
-            timed_run(prepare(cell, engines, choosers, args), prompts[:b], args.output_len)
-    times: dict = {(c[0], b): [] for c in cells for b in batches}
-    hists: dict = {}
+            sample(cell, b)[1]()
+    stats: dict = {"times": {(c[0], b): [] for c in cells for b in batches}, "hists": {}, "facts": {}}
     for r in range(args.repeats):
         for b in batches:
             order = cells[r % len(cells) :] + cells[: r % len(cells)]
             for cell in order:
-                tok_s, metrics = timed_sample(prepare(cell, engines, choosers, args), prompts[:b], args,
-                                              f"{cell[0]} batch {b} (repetition {r + 1})")  # fmt: skip
-                times[(cell[0], b)].append(tok_s)
-                if metrics is not None and cell[3] is None:
-                    hists[(cell[0], b)] = {
-                        p: metrics.phase(p).draft_length_histogram for p in ("thinking", "answer")
-                    }
-                print(f"  rep {r + 1} {cell[0]} batch {b}: {tok_s:.1f} tok/s", flush=True)
-        result["rows"] = rows_of(times, hists, batches, cells)
-        result["summary"] = summarise(result["rows"], batches)
+                what = f"{cell[0]} batch {b} (repetition {r + 1})"
+                out = timed_sample(*sample(cell, b), what)
+                record(stats, cell, b, out, args, what)
+                print(f"  rep {r + 1} {cell[0]} batch {b}: {out[0]:.1f} tok/s", flush=True)
+        result["rows"] = rows_of(stats, batches, cells)
+        result["summary"] = summarise(result["rows"], batches, args)
         result["repeats_done"] = r + 1
         result["dropped_runs"] = DROPPED
-        result["cost_model"] = cost_model_table(choosers["good"].costs, max(batches))
+        result["cost_model"] = cost_model_table(choosers[primary(args)].costs, max(batches))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
 
-def main() -> None:
+def relax_arg(text: str) -> tuple[float, int]:
+    """--relax RATIO:TOP_K, checked as a sweep setting is."""
+    try:
+        ratio, top_k = text.split(":")
+        setting = RelaxSetting(float(ratio), int(top_k))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"takes RATIO:TOP_K (e.g. 0.3:8), got {text!r}: {e}") from None
+    return setting.relax_ratio, setting.relax_top_k
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,4,16,64,128")
     p.add_argument("--k-max", type=int, default=8, help="num_speculative_tokens of the adaptive engine (K)")
-    p.add_argument("--fixed-ks", default="1,2,3,4,5,6,7,8", help="fixed draft lengths, good profile")
+    p.add_argument("--fixed-ks", default="1,2,3,4,5,6,7,8", help="fixed draft lengths (good profile, toy)")
     p.add_argument("--bad-fixed-ks", default="1", help="fixed draft lengths, bad draft ('' for none)")
     p.add_argument(
         "--check-k", type=int, default=0, help="also time an engine built for this fixed k (0: no)"
@@ -270,39 +426,76 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kv-cache-memory", type=int, default=16 << 30, help="bytes per engine")
+    p.add_argument(
+        "--kv-cache-memory", type=int, default=None,
+        help="bytes per engine (default: 16 GiB on CUDA, the engine's default on CPU)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--toy", action="store_true", help="the bundled toy pair, real acceptance, relaxed")
+    p.add_argument("--toy-level", choices=sorted(LEVELS), default="easy", help="toy problems (--toy)")
+    p.add_argument("--relax", type=relax_arg, default=(0.3, 8), help="RATIO:TOP_K (--toy; default 0.3:8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="(--toy)")
+    p.add_argument("--max-tokens", type=int, default=None, help="(--toy; default: the level's budget)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if not args.toy and (args.max_tokens is not None or args.temperature != 0):
+        p.error("--max-tokens and --temperature apply to --toy only")
+    if args.toy and args.small:
+        p.error("--small sets real-shape sizes; --toy runs the bundled pair")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
     args.fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
     args.bad_fixed_ks = [int(k) for k in args.bad_fixed_ks.split(",") if k.strip()]
-    device = torch.device(args.device)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    vocab = 1024 if args.small else 151936
+    if args.toy and args.max_tokens is None:
+        args.max_tokens = default_max_tokens("toy", args.toy_level)
+    return args
+
+
+def describe(args, engines: dict[str, LLM], device: torch.device) -> dict:
+    """What the JSON records about the run, before any row."""
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "shape": "small" if args.small else "Qwen3-8B (draft Qwen3-0.6B)", "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "k_max": args.k_max, "repeats": args.repeats,
-        "profiles": {n: synthetic_profile(n, args.k_max, args.output_len) for n in PROFILES},
-        "rows": [], "summary": [],
+        "dtype": str(engines["plain"].llm_engine.model_info.dtype).removeprefix("torch."),
+        "k_max": args.k_max, "repeats": args.repeats, "rows": [], "summary": [],
     }  # fmt: skip
+    if args.toy:
+        ratio, top_k = args.relax
+        result["shape"] = "toy pair ({} / {})".format(*TOY_PAIR)
+        result["toy"] = {
+            "level": args.toy_level, "level_params": asdict(LEVELS[args.toy_level]),
+            "dataset_seed": TOY_DATASET_SEED, "relax_ratio": ratio, "relax_top_k": top_k,
+            "reasoning_parser": "qwen3", "temperature": args.temperature, "max_tokens": args.max_tokens,
+        }  # fmt: skip
+        return result
+    result.update(
+        shape="small" if args.small else "Qwen3-8B (draft Qwen3-0.6B)", prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        profiles={n: synthetic_profile(n, args.k_max, args.output_len) for n in PROFILES},
+    )  # fmt: skip
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
     cells = build_cells(args)
     with tempfile.TemporaryDirectory() as tmp:
-        tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
-        ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
-        common = dict(
-            device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16", load_format="dummy",
-            skip_tokenizer_init=True, max_num_seqs=max(batches), kv_cache_memory=args.kv_cache_memory,
-            max_model_len=args.prompt_len + args.output_len + 2 * args.k_max + 8,
-        )  # fmt: skip
-        engines = build_engines(args, tdir, ddir, common)
+        engines = build_engines(args, Path(tmp), max(batches))
+        result = describe(args, engines, device)
         adaptive = engines["spec"].llm_engine.speculator.draft_length
         assert isinstance(adaptive, AdaptiveDraftLength)
-        choosers = {prof: AdaptiveDraftLength(args.k_max, adaptive.costs) for prof in PROFILES}
-        gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, vocab, (max(batches), args.prompt_len), generator=gen).tolist()
-        measure(args, engines, choosers, cells, batches, prompts, result)
+        profiles = ("toy",) if args.toy else tuple(PROFILES)
+        choosers = {prof: AdaptiveDraftLength(args.k_max, adaptive.costs) for prof in profiles}
+        if args.toy:  # the first b of these problems at batch b
+            items = load_dataset("toy", max(batches), TOY_DATASET_SEED, args.toy_level)
+            data: Any = (items, format_prompts(engines["plain"], items))
+        else:
+            gen = torch.Generator().manual_seed(0)
+            data = torch.randint(0, vocab_size(args), (max(batches), args.prompt_len),
+                                 generator=gen).tolist()  # fmt: skip
+        measure(args, engines, choosers, cells, batches, data, result)
         del engines
     print_table(result)
 

@@ -14,7 +14,9 @@
 #               replaying their acceptance at Qwen3-8B / 0.6B shapes (benchmarks/validate_projection.py)
 #   adaptive    adaptive_k vs plain and fixed k 1..8 at Qwen3-8B / 0.6B shapes, batch 1-128, a good and a bad
 #               synthetic draft, with the criteria as ratios (benchmarks/bench_adaptive.py);
-#               ADAPTIVE_ARGS replace its defaults (e.g. "--batch-sizes 1,16 --fixed-ks 2,4,6 --repeats 1")
+#               ADAPTIVE_ARGS replace its defaults (e.g. "--batch-sizes 1,16 --fixed-ks 2,4,6 --repeats 1");
+#               the bundled toy pair with real, relaxed acceptance (adaptive vs the best fixed k):
+#               ADAPTIVE_ARGS="--toy --batch-sizes 1,16,64 --repeats 3"
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)

@@ -1,0 +1,86 @@
+"""benchmarks/bench_adaptive.py on the bundled toy pair (--toy) runs on CPU, and its determinism check."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# The script runs from benchmarks/, so without this it would import whichever thinkspec is installed.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+K_MAX = 2
+
+
+@pytest.mark.slow
+def test_bench_adaptive_toy_smoke(tmp_path):
+    out = tmp_path / "adaptive.json"
+    cmd = [sys.executable, "benchmarks/bench_adaptive.py", "--toy", "--device", "cpu", "--batch-sizes", "1,2",
+           "--repeats", "2", "--fixed-ks", "1,2", "--k-max", str(K_MAX), "--max-tokens", "16",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "criterion (toy pair, relaxed): ad/best >= 1.0" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["repeats_done"] == 2 and result["k_max"] == K_MAX
+    toy = result["toy"]
+    assert (toy["level"], toy["relax_ratio"], toy["relax_top_k"], toy["max_tokens"]) == ("easy", 0.3, 8, 16)
+    rows = {(r["cell"], r["batch"]): r for r in result["rows"]}
+    cells = ("plain", "toy k=1", "toy k=2", "toy adaptive")
+    assert list(rows) == [(c, b) for c in cells for b in (1, 2)]
+    for (cell, b), r in rows.items():
+        assert len(r["reps"]) == 2 and r["min"] <= r["tok_per_s"] <= r["max"]
+        assert r["num_problems"] == b and all(0 <= c <= b for c in r["correct_reps"])
+        assert len(r["output_digest_reps"]) == 2
+        if cell != "toy adaptive":  # a fixed policy repeats its greedy outputs (the script checks it)
+            assert r["outputs_repeat"]
+        if cell == "plain":
+            assert "mean_acceptance_length" not in r
+            continue
+        k = K_MAX if r["k"] is None else r["k"]
+        # 0.0: no step speculated (adaptive may keep to k = 0 where steps look costly)
+        assert all(
+            1.0 <= al <= k + 1 or (r["k"] is None and al == 0.0) for al in r["acceptance_length_reps"]
+        ), r
+    for b in (1, 2):
+        hist = rows[("toy adaptive", b)]["draft_length_histogram"]  # rows choosing k = 0, 1, ...
+        assert 1 <= len(hist["thinking"]) <= K_MAX + 1 and sum(hist["thinking"]) > 0
+        assert "draft_length_histogram" not in rows[("toy k=1", b)]
+    for s in result["summary"]:
+        fixed = {c: rows[(c, s["batch"])]["tok_per_s"] for c in ("toy k=1", "toy k=2")}
+        best = max(fixed, key=fixed.__getitem__)
+        assert (s["best_fixed"], s["best_fixed_tok_per_s"]) == (best, fixed[best])
+        assert s["adaptive_over_best_fixed"] == pytest.approx(s["toy_adaptive"] / fixed[best])
+        assert s["adaptive_over_plain"] == pytest.approx(s["toy_adaptive"] / s["plain"])
+
+
+def test_record_checks_determinism_of_fixed_policies(monkeypatch):
+    """Greedy outputs that change between repetitions fail a plain or fixed-k cell; an adaptive
+    cell's (its choices follow what it learns) are recorded as not repeating."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = importlib.import_module("bench_adaptive")
+    args = type("Args", (), {"temperature": 0.0})()
+    cells = [
+        ("plain", "", "plain", None),
+        ("toy k=2", "toy", "spec", 2),
+        ("toy adaptive", "toy", "spec", None),
+    ]
+    stats: dict = {"times": {(c[0], 1): [] for c in cells}, "hists": {}, "facts": {}}
+    for cell in cells:
+        bench.record(stats, cell, 1, (10.0, None, {"digest": "a", "correct": 1}), args, cell[0])
+        bench.record(stats, cell, 1, (11.0, None, {"digest": "a", "correct": 1}), args, cell[0])
+        assert stats["facts"][(cell[0], 1)]["outputs_repeat"]
+        if bench.is_adaptive(cell):
+            bench.record(stats, cell, 1, (12.0, None, {"digest": "b", "correct": 0}), args, cell[0])
+            assert not stats["facts"][(cell[0], 1)]["outputs_repeat"]
+        else:
+            with pytest.raises(RuntimeError, match="greedy outputs differ"):
+                bench.record(stats, cell, 1, (12.0, None, {"digest": "b", "correct": 1}), args, cell[0])
+    sampled = type("Args", (), {"temperature": 0.6})()  # sampled outputs are not checked
+    bench.record(stats, cells[1], 1, (13.0, None, {"digest": "c", "correct": 1}), sampled, "sampled")
+    assert stats["times"][("toy k=2", 1)] == [10.0, 11.0, 12.0, 13.0]
