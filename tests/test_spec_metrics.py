@@ -218,3 +218,22 @@ def test_empty_metrics_and_errors():
     with pytest.raises(ValueError, match=r"thinking_before \[B, K\]"):
         m.observe([1], [0], [[F, F]], [[T]])
     assert m.phase(None).num_drafts == 0  # failed observations add nothing
+
+
+def test_per_request_rows_accumulate_as_the_batch_path_over_random_steps():
+    """observe_step(step, i) (the per-request fast path) equals observe_step(step, [i]) over steps
+    whose K varies, rows without drafts included."""
+    rng = np.random.default_rng(1)
+    b = 6
+    fast = [SpecDecodeMetrics() for _ in range(b)]
+    slow = [SpecDecodeMetrics() for _ in range(b)]
+    for _ in range(30):
+        k = int(rng.integers(1, 9))
+        nd = rng.integers(0, k + 1, size=b)
+        na = np.array([rng.integers(0, d + 1) for d in nd])
+        step = SpecDecodeMetrics().observe(nd, na, rng.random((b, k)) < 0.3, rng.random((b, k)) < 0.6)
+        for i in range(b):
+            fast[i].observe_step(step, i)
+            slow[i].observe_step(step, [i])
+    assert fast == slow
+    assert any(m.phase(None).num_relaxed_accepted_tokens for m in fast)

@@ -41,6 +41,15 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else 0.0
 
 
+def _add_into(acc: list[int], values: list[int], start: int, n: int) -> None:
+    """acc[i] += values[start + i] for i < n, in place, growing acc to n entries."""
+    if len(acc) < n:
+        acc.extend([0] * (n - len(acc)))
+    for i, v in enumerate(values[start : start + n]):
+        if v:
+            acc[i] += v
+
+
 def _add_lists(a: list[int], b: Sequence[int]) -> list[int]:
     out = list(a) + [0] * max(0, len(b) - len(a))
     for k, v in enumerate(b):
@@ -75,6 +84,17 @@ class PhaseCounters:
         )
         self.draft_length_histogram = _add_lists(self.draft_length_histogram, other.draft_length_histogram)
         return self
+
+    def add_packed(self, values: list[int]) -> None:  # [5 + 2K] ints, as from_packed reads them
+        """Add one packed row in place (per-request accumulation: no intermediate objects)."""
+        k = (len(values) - 5) // 2
+        self.num_drafts += values[0]
+        self.num_draft_tokens += values[1]
+        self.num_accepted_tokens += values[2]
+        self.num_relaxed_accepted_tokens += values[3]
+        self.num_emitted_tokens += values[4]
+        _add_into(self.num_draft_tokens_per_pos, values, 5, k)
+        _add_into(self.num_accepted_tokens_per_pos, values, 5 + k, k)
 
     @classmethod
     def from_packed(cls, packed: np.ndarray) -> PhaseCounters:  # [5 + 2K] int64
@@ -127,6 +147,7 @@ class SpecDecodeStep:
     relaxed_accepted: np.ndarray  # [B, K] bool, True where only the relaxed test accepted
     thinking_before: np.ndarray  # [B, K] bool, phase before each draft position
     _per_row: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _row_lists: list | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_tensors(
@@ -216,6 +237,11 @@ class SpecDecodeStep:
         self._per_row = packed.transpose(1, 0, 2).copy()
         return self._per_row
 
+    def row_lists(self) -> list[list[list[int]]]:  # [B][2][5 + 2K] ints, per_row() as lists, once per step
+        if self._row_lists is None:
+            self._row_lists = self.per_row().tolist()
+        return self._row_lists
+
     def counters(
         self, rows: int | slice | Sequence[int] | np.ndarray | None = None
     ) -> dict[str, PhaseCounters]:
@@ -259,6 +285,11 @@ class SpecDecodeMetrics:
     def observe_step(
         self, step: SpecDecodeStep, request_index: int | slice | Sequence[int] | None = None
     ) -> SpecDecodeMetrics:
+        if isinstance(request_index, (int, np.integer)):  # one request: the hot per-request path
+            thinking, answer = step.row_lists()[request_index]
+            self.thinking.add_packed(thinking)
+            self.answer.add_packed(answer)
+            return self
         counters = step.counters(request_index)
         self.thinking.merge(counters["thinking"])
         self.answer.merge(counters["answer"])
