@@ -1,5 +1,17 @@
+import os
+
 import pytest
 import torch
+
+# On CPU the tests' models are tiny: one thread runs them as fast as a pool, and a pool that shares
+# a small machine's cores with other processes (the tests' own servers and tensor-parallel workers,
+# or anything else running) stalls at every parallel region: a smoke sweep took 133 s with two
+# threads beside one busy process, 14 s with one. Child processes inherit the setting.
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # numpy's BLAS in the Triton interpreter runs
+        os.environ.setdefault(name, "1")
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
