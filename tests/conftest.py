@@ -9,7 +9,7 @@ import torch
 # threads beside one busy process, 14 s with one. Child processes inherit the setting.
 if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
-    for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # numpy's BLAS in the Triton interpreter runs
+    for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # numpy BLAS, e.g. in Triton interpreter runs
         os.environ.setdefault(name, "1")
     torch.set_num_threads(1)
 
