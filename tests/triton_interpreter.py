@@ -17,6 +17,52 @@ interp = pytest.mark.skipif(
 parent_only = pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreter run")
 
 
+def _patch_lang_once_per_launch() -> None:
+    """Speed up the interpreter (about 2x on these kernels): on every call of a nested @triton.jit
+    function it patches triton.language again (a scan of every member of the modules), although the
+    launch running it has already patched those modules and undoes that when it ends. Here, inside a
+    launch, a nested function whose language modules are patched already skips the repeat; launches
+    and anything else go through Triton's own code. Nothing changes if Triton's internals differ."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    original = getattr(ti, "_patch_lang", None)
+    executor = getattr(ti, "GridExecutor", None)
+    if original is None or executor is None or not hasattr(ti, "_LangPatchScope"):
+        return
+    if getattr(original, "_once_per_launch", False):
+        return
+    launch = executor.__call__
+    state = {"depth": 0, "patched": set()}  # launches running; ids of the modules they patched
+
+    def run_launch(self, *args, **kwargs):
+        state["depth"] += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state["depth"] -= 1
+            if not state["depth"]:
+                state["patched"].clear()
+
+    def patch_lang(fn):
+        needed = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if not state["depth"] or not needed <= state["patched"]:
+            scope = original(fn)
+            state["patched"] |= needed if state["depth"] else set()
+            return scope
+        return ti._LangPatchScope()  # Triton drops a nested call's scope: nothing to restore
+
+    patch_lang._once_per_launch = True
+    ti._patch_lang = patch_lang
+    executor.__call__ = run_launch
+
+
+if INTERPRETED:
+    _patch_lang_once_per_launch()
+
+
 def run_interpreter_cases(test_file: str, select: str = "test_interp_") -> None:
     """Run test_file's cases matching the pytest -k expression `select` (default: every `test_interp_`
     case) under TRITON_INTERPRET=1; fail unless all of them pass."""
