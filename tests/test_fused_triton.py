@@ -211,10 +211,13 @@ def test_interp_qk_norm_rope_matches_torch(dtype, t, hq, hkv, d, qk_norm):
 
 
 @interp
-@pytest.mark.parametrize("block_size", [16, 3])
 @pytest.mark.parametrize(
-    ("t", "hq", "hkv", "d"), [(1, 4, 4, 32), (5, 8, 2, 128), (70, 6, 2, 32), (0, 4, 2, 32)]
-)
+    ("t", "hq", "hkv", "d", "block_size"),
+    # both block sizes on the one-head-per-program shapes; the 4-heads-per-program shape (t >= 64)
+    # with block size 3, where its 70 slots span the most blocks
+    [(1, 4, 4, 32, 16), (1, 4, 4, 32, 3), (5, 8, 2, 128, 16), (5, 8, 2, 128, 3), (70, 6, 2, 32, 3),
+     (0, 4, 2, 32, 16), (0, 4, 2, 32, 3)],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_qk_norm_rope_stores_kv(dtype, t, hq, hkv, d, block_size):
     # kv_store: q/k come out as without it, and the caches hold exactly what attention's KV store
