@@ -416,13 +416,22 @@ def test_spec_decode_counters_exact(local_engine, monkeypatch):
         return out
 
     assert all(v == 0 for v in exposed().values())
+
+    def settled() -> dict:
+        # /metrics reads the stats the engine thread publishes after each step; the step that ends a
+        # request can come after its response: wait (bounded) until they match the engine's counters
+        deadline = time.monotonic() + 10.0
+        while (now := exposed()) != expected() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return now
+
     assert client.post("/v1/completions", json=body).status_code == 200
-    first = exposed()
+    first = settled()
     assert first == expected()
     assert first["num_draft_tokens", "thinking"] > 0 and first["num_draft_tokens", "answer"] > 0
     assert first["draft_length", "thinking", "+Inf"] > 0 and first["draft_length", "answer", "+Inf"] > 0
     assert client.post("/v1/completions", json=body).status_code == 200
-    second = exposed()
+    second = settled()
     assert second == expected()
     assert second["num_drafts", "thinking"] > first["num_drafts", "thinking"]
     assert all(second[key] >= first[key] for key in first)
