@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from thinkspec.layers.gemv_triton import product_operands
+
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
 MAX_ROWS = 64
 ROW_BUCKETS = (4, 8, 16, 32, 64)  # the row counts bench_skinny_gemm measures; rows round up to one
@@ -168,24 +170,14 @@ def skinny_gemm(
     in x's dtype.
 
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k:
-        shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
-        raise ValueError(f"skinny_gemm takes [M <= {MAX_ROWS}, K] x [N, K], got {shapes}")
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(
             f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
         )
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS)
+    if done:
         return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    (m, k), n = x.shape, weight.shape[0]
     block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k)
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))

@@ -82,6 +82,34 @@ def gemv_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
     return 2, block_k, 4, 1
 
 
+def product_operands(
+    name: str,
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N] or None
+    max_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(x, weight with contiguous last dims, y [M, N] in x's dtype, done): the checks and the empty
+    cases a skinny product kernel shares; done is True when y already holds the result (no rows, no
+    columns, or K = 0). ValueError for shapes the kernel does not take."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > max_rows or weight.shape[1] != k:
+        shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
+        raise ValueError(f"{name} takes [M <= {max_rows}, K] x [N, K], got {shapes}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return x, weight, y, True
+    if k == 0:
+        y = y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+        return x, weight, y, True
+    return x, weight, y, False
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -91,20 +119,10 @@ def gemv(
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
 
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k:
-        shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
-        raise ValueError(f"gemv takes [M <= {MAX_ROWS}, K] x [N, K], got {shapes}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS)
+    if done:
         return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    (m, k), n = x.shape, weight.shape[0]
     block_n, block_k, warps, stages = config or gemv_config(m, n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
