@@ -25,6 +25,7 @@ import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.layers.linear import Linear
 
 
 def sync(device: torch.device) -> None:
@@ -79,11 +80,14 @@ def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device:
     return run(output_len) - run(1)
 
 
-def time_thinkspec(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float | None, dict]:
+def time_thinkspec(
+    llm: LLM, prompts: list[list[int]], output_len: int, warm_up: bool = True
+) -> tuple[float, float | None, dict]:
     """(decode seconds for output_len tokens, mean acceptance length or None, step-time summary).
 
     The summary is over the engine steps of the timed full-length run (wall time of each
     LLMEngine.step call, ms): median, max, and the steps over twice the median with their excess.
+    warm_up=False: the engine already ran these prompts at this length (a repetition).
     """
     engine = llm.llm_engine
     step_ms: list[float] = []
@@ -103,8 +107,9 @@ def time_thinkspec(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple
     # Warm-up, twice at full length: the first run captures the CUDA graphs; the repeated prompts
     # then hit the prefix cache, whose shorter prefill compiles its own kernel variants in the
     # second run, not in a timed one.
-    run(output_len)
-    run(output_len)
+    if warm_up:
+        run(output_len)
+        run(output_len)
     engine.step = timed_step
     try:
         full = run(output_len)
@@ -131,6 +136,13 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per plain cell, round-robin over engines"
+    )
+    p.add_argument(
+        "--compare-skinny", action="store_true",
+        help="also time a second plain engine whose products all stay on cuBLAS (thinkspec_cublas)",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -179,16 +191,36 @@ def main() -> None:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if args.compare_skinny and device.type == "cuda":
+            common["kv_cache_memory"] = 16 << 30  # room for two 8B engines
         llm = LLM(tdir, **common)
         weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
-        for name, overlap in (("thinkspec", True), ("thinkspec_sync", False)):
-            llm.llm_engine.async_scheduling = overlap and device.type == "cuda"
-            for b in batches:
-                seconds, _, step_times = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
-                record({"engine": name, "batch": b, "seconds": seconds, "steps": step_times})
-        del llm
+        plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
+        if args.compare_skinny:
+            cublas = LLM(tdir, **common)
+            for m in cublas.llm_engine.model.modules():
+                if isinstance(m, Linear):
+                    m.skinny_gemm = False  # before the first run captures its graphs
+            plain.append(("thinkspec_cublas", cublas, True))
+        for b in batches:
+            prompts = all_prompts[:b].tolist()
+            reps: dict[str, list[tuple[float, dict]]] = {name: [] for name, _, _ in plain}
+            for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
+                for name, engine, overlap in plain:
+                    engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
+                    reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
+            for name, times in reps.items():
+                seconds = [t for t, _ in times]
+                med = statistics.median(seconds)
+                step_times = times[min(range(len(seconds)), key=lambda i: abs(seconds[i] - med))][1]
+                record(
+                    {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
+                )
+        del llm, plain
+        if args.compare_skinny:
+            del cublas
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
             spec = {"model": str(ddir), "num_speculative_tokens": args.k, "synthetic_acceptance_rate": rate}
@@ -215,8 +247,12 @@ def main() -> None:
             if st
             else ""
         )
+        reps = r.get("seconds_reps") or []
+        spread = (
+            f"  spread {min(reps) / r['seconds']:.3f}-{max(reps) / r['seconds']:.3f}" if len(reps) > 1 else ""
+        )
         print(f"{r['engine']:<22} {r['batch']:>5} {r['tok_per_s']:>10.1f} {r['ms_per_step']:>9.2f} "
-              f"{r['x_floor']:>8.2f} {al:>5}{steps}")  # fmt: skip
+              f"{r['x_floor']:>8.2f} {al:>5}{steps}{spread}")  # fmt: skip
 
 
 if __name__ == "__main__":

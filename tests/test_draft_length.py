@@ -14,6 +14,8 @@ from thinkspec.spec_decode.draft_length import (
     ANSWER,
     GROUPS,
     PROBE_PERIOD,
+    REFRESH,
+    REFRESH_PLAIN,
     THINKING,
     AcceptanceEstimates,
     AdaptiveDraftLength,
@@ -123,6 +125,28 @@ def test_probing_recovers_a_pessimistic_estimate():
     assert first == 0 and ks[-1] >= K - 1
 
 
+@pytest.mark.parametrize(("rate", "period"), [(0.9, REFRESH), (0.0, REFRESH_PLAIN)], ids=["draft", "plain"])
+def test_a_choice_is_reused_for_its_refresh_period(monkeypatch, rate, period):
+    """The grid search runs once per REFRESH choices while rows draft, once per REFRESH_PLAIN while
+    every group decodes plainly (nothing about acceptance is learned then), and at once when the
+    groups' sizes move by more than 1/8."""
+    chooser = AdaptiveDraftLength(K, _costs())
+    chooser.estimates.rates[:] = rate
+    searches = []
+    evaluate = chooser.evaluate
+    monkeypatch.setattr(chooser, "evaluate", lambda counts: (searches.append(1), evaluate(counts))[1])
+    counts = np.array([0, 16, 0])
+    ks = [int(chooser.choose(counts)[THINKING]) for _ in range(4 * period - 1)]
+    assert len(searches) == 4
+    assert (max(ks) > 0) == (rate > 0)
+    chooser.choose(np.array([0, 14, 0]))  # within 1/8: the same choice
+    assert len(searches) == 4
+    chooser.choose(np.array([0, 13, 0]))  # beyond it: a new search
+    assert len(searches) == 5
+    chooser.choose(np.array([1, 13, 0]))  # a new group
+    assert len(searches) == 6
+
+
 def test_histogram_counts_and_merges():
     m = SpecDecodeMetrics()
     m.observe_draft_lengths(np.array([0, 3, 3, 1]), np.array([True, True, False, False]))
@@ -132,6 +156,16 @@ def test_histogram_counts_and_merges():
     total = SpecDecodeMetrics().merge(m).merge(m)
     assert total.phase(None).draft_length_histogram == [2, 2, 0, 4, 0, 2]
     assert m.to_dict()["by_phase"]["answer"]["draft_length_histogram"] == [0, 1, 0, 1, 0, 1]
+    # the plain step's path counts what observe_draft_lengths counts for all-zero rows, in new lists
+    for start in (SpecDecodeMetrics(), SpecDecodeMetrics().merge(m)):
+        fast, slow = SpecDecodeMetrics().merge(start), SpecDecodeMetrics().merge(start)
+        before = fast.thinking.draft_length_histogram
+        fast.observe_plain_rows(3, 5)
+        fast.observe_plain_rows(0, 2)
+        slow.observe_draft_lengths(np.zeros(5, dtype=np.int64), np.array([True, False, True, True, False]))
+        slow.observe_draft_lengths(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=bool))
+        assert fast.to_dict() == slow.to_dict()
+        assert fast.thinking.draft_length_histogram is not before
 
 
 def test_config():

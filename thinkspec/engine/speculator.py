@@ -137,7 +137,7 @@ class _Plan:
     seq_ids: list[int]  # id() of the scheduled sequences it was made for, in order
     decodes: list[Sequence]  # the decode rows
     choice: tuple[list[int], list[int], list[int], np.ndarray]  # Speculator._choose's
-    thinking: np.ndarray  # [R] bool, the phase each decode row's choice was made for
+    thinking: list[bool]  # [R] the phase each decode row's choice was made for
     timed: tuple[float, int] | None  # (start, builds then) when the step is a timing sample
 
 
@@ -245,11 +245,10 @@ class Speculator:
         builds = self._num_builds()
         self._time_last_step(now, builds)
         decodes = _decode_rows(seqs, num_new, sample_mask)
-        choice = self._choose(seqs, decodes)
+        choice, thinking = self._choose(seqs, decodes)
         decodes_only = len(decodes) == len(seqs)
         # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
         steady = not choice[0] or not self.has_draft_model or self._draft_in_step(seqs)
-        thinking = np.array([self.is_thinking(seqs[i]) for i in decodes], dtype=bool)
         timed = (now, builds) if decodes_only and steady else None
         self._plan = _Plan([id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, timed)
         return decodes_only and not choice[0]
@@ -260,11 +259,17 @@ class Speculator:
         plan, self._plan = self._plan, None
         assert plan is not None
         row_ks = plan.choice[3]
-        self.metrics.observe_draft_lengths(row_ks, plan.thinking)
-        for seq, k, t in zip(plan.decodes, row_ks.tolist(), plan.thinking.tolist()):
-            if seq.metrics.spec_decode is None:
-                seq.metrics.spec_decode = SpecDecodeMetrics()
-            seq.metrics.spec_decode.count_draft_length(k, t)
+        if plan.choice[0]:
+            self.metrics.observe_draft_lengths(row_ks, np.array(plan.thinking, dtype=bool))
+            ks = row_ks.tolist()
+        else:  # the plain step (every row 0): no numpy on this path, it runs before every plain step
+            self.metrics.observe_plain_rows(sum(plan.thinking), len(plan.thinking))
+            ks = [0] * len(plan.decodes)
+        for seq, k, t in zip(plan.decodes, ks, plan.thinking):
+            metrics = seq.metrics.spec_decode
+            if metrics is None:
+                metrics = seq.metrics.spec_decode = SpecDecodeMetrics()
+            metrics.count_draft_length(k, t)
         self._last_step = None if plan.timed is None else (*plan.timed, row_ks)
         return plan.choice
 
@@ -374,22 +379,32 @@ class Speculator:
 
     def _choose(
         self, seqs: list[Sequence], decodes: list[int]
-    ) -> tuple[list[int], list[int], list[int], np.ndarray]:
+    ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool]]:
         """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
-        the request has left). Returns (spec_index: rows that draft, their max_drafts, their GROUPS
-        index, row_ks [R] of every decode row, 0 = a plain row)."""
+        the request has left). Returns ((spec_index: rows that draft, their max_drafts, their GROUPS
+        index, row_ks [R] of every decode row, 0 = a plain row), thinking [R] bool of every decode
+        row). Runs before every step, plain ones included: per row only a few attribute reads
+        unless its group drafts."""
         assert self.draft_length is not None
-        tracked = self.tracker is not None
-        thinking = [self.is_thinking(seqs[i]) for i in decodes]
-        groups = [
-            group_of(t, tracked and t and self.relax_settings(seqs[i])[0]) for t, i in zip(thinking, decodes)
-        ]
+        tracked, default = self.tracker is not None, self.config.relaxed_thinking
+        thinking, groups = [], []
+        for i in decodes:
+            seq = seqs[i]
+            t = self.is_thinking(seq)
+            override = seq.sampling_params.relaxed_thinking  # relax_settings' first field, inlined
+            thinking.append(t)
+            groups.append(group_of(t, tracked and t and bool(default if override is None else override)))
         ks = self.draft_length.choose(np.bincount(np.asarray(groups, dtype=np.int64), minlength=len(GROUPS)))
-        row_ks = np.array([min(int(ks[g]), self.max_drafts_for(seqs[i])) for g, i in zip(groups, decodes)])
-        row_ks = row_ks.astype(np.int64)
-        chosen = [b for b, k in enumerate(row_ks.tolist()) if k > 0]
+        if not ks.any():  # the plain step: no row drafts, no caps to work out
+            return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking
+        group_ks = ks.tolist()
+        row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
+                    for g, i in zip(groups, decodes)]  # fmt: skip
+        chosen = [b for b, k in enumerate(row_list) if k > 0]
         spec_index = [decodes[b] for b in chosen]
-        return spec_index, [int(row_ks[b]) for b in chosen], [groups[b] for b in chosen], row_ks
+        choice = (spec_index, [row_list[b] for b in chosen], [groups[b] for b in chosen],
+                  np.array(row_list, dtype=np.int64))  # fmt: skip
+        return choice, thinking
 
     def _build_verify_batch(
         self,

@@ -45,7 +45,18 @@ Config = tuple[int, int, int, int, int]
 # everything else stays on cuBLAS. Empty until measured: fill it from bench_skinny_gemm's JSON with
 #   python benchmarks/bench_skinny_gemm.py --table-from skinny.json
 # which prints the entries (cells where the best launch shape beat cuBLAS by --min-gain).
-SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {}
+# Measured 2026-12-01 on the H200 (benchmarks/results/2026-12-01-skinny-gemm-h200.json): Qwen3-8B's
+# projections at 16, 32 and 64 rows; unmeasured row buckets (4, 8) and shapes stay on cuBLAS.
+SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
+    (16, 4096, 4096): (32, 256, 1, 4, 5),  # o: 11.5 vs cuBLAS 13.5 us
+    (16, 4096, 12288): (32, 256, 1, 4, 5),  # down: 26.8 vs cuBLAS 28.7 us
+    (16, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.9 vs cuBLAS 15.7 us
+    (16, 151936, 4096): (128, 128, 1, 8, 3),  # lm_head: 280.8 vs cuBLAS 290.9 us
+    (32, 4096, 4096): (64, 128, 1, 4, 5),  # o: 12.4 vs cuBLAS 13.8 us
+    (32, 4096, 12288): (64, 128, 2, 4, 5),  # down: 28.2 vs cuBLAS 29.4 us
+    (32, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 15.3 vs cuBLAS 16.0 us
+    (64, 4096, 12288): (64, 128, 2, 4, 5),  # down: 29.7 vs cuBLAS 31.4 us
+}
 
 
 def row_bucket(num_rows: int) -> int:

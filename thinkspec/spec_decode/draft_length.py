@@ -36,6 +36,9 @@ PRIOR_RATE = 0.7  # c[g, i] before anything is observed: optimistic enough to tr
 RATE_ALPHA = 0.05  # weight of one observed draft in the EMA of its position's acceptance (~20 drafts)
 PROBE_PERIOD = 32
 REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
+# An all-plain choice learns nothing about acceptance while it lasts (no row drafts), only the cost
+# model's overheads move: reuse it longer, so that plain steps pay almost no host time for choosing.
+REFRESH_PLAIN = 32
 # While every group decodes plainly the draft model falls behind, and a probe first catches it up
 # over every token since: probe more rarely there.
 PLAIN_PROBE_PERIOD = 256
@@ -86,7 +89,8 @@ class AdaptiveDraftLength:
         self.estimates = AcceptanceEstimates(k_max)
         self.num_choices = 0
         self._grids: dict[int, np.ndarray] = {}
-        self._cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (counts, best ks, choice number)
+        # (counts [G], best ks of the groups present, whether any drafts, choice number)
+        self._cache: tuple[list[int], np.ndarray, bool, int] | None = None
 
     def choose(self, counts: np.ndarray) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0)."""
@@ -96,12 +100,12 @@ class AdaptiveDraftLength:
         if present.size == 0:
             return ks
         self.num_choices += 1
-        best = self._cached_best(counts)
+        best = self._cached_best(counts.tolist())
         if best is None:
             self.costs.ensure(int(counts.sum()))
             grid, gain, cost = self.evaluate(counts)
             best = grid[:, int(np.argmax(gain / cost))]
-            self._cache = (counts, best, self.num_choices)
+            self._cache = (counts.tolist(), best, bool(best.any()), self.num_choices)
         ks[present] = best
         period = PROBE_PERIOD if best.any() else PLAIN_PROBE_PERIOD
         if self.num_choices % period == 0:
@@ -128,14 +132,19 @@ class AdaptiveDraftLength:
         cost = cost + self.costs.overhead_ms(batch)[kmax]
         return grid, gain, np.maximum(cost, 1e-6)
 
-    def _cached_best(self, counts: np.ndarray) -> np.ndarray | None:
-        """The last choice, while it is recent (REFRESH steps) and made for about these counts: the
-        same groups, each within 1/8 of its count (the grid search costs ~0.1-0.5 ms of host time)."""
+    def _cached_best(self, counts: list[int]) -> np.ndarray | None:
+        """The last choice, while it is recent (REFRESH steps, REFRESH_PLAIN for an all-plain one) and
+        made for about these counts: the same groups, each within 1/8 of its count (the grid search
+        costs ~0.1 ms of host time, a plain toy step ~0.3 ms)."""
         if self._cache is None:
             return None
-        cached, best, made = self._cache
-        same = np.array_equal(cached > 0, counts > 0) and (np.abs(cached - counts) * 8 <= cached).all()
-        return best if same and self.num_choices - made < REFRESH else None
+        cached, best, drafts, made = self._cache
+        if self.num_choices - made >= (REFRESH if drafts else REFRESH_PLAIN):
+            return None
+        for c, n in zip(cached, counts):
+            if (c > 0) != (n > 0) or abs(c - n) * 8 > c:
+                return None
+        return best
 
     def _grid(self, num_groups: int) -> np.ndarray:
         """[P, (K+1)^P] every choice of k for P groups (cached)."""

@@ -306,6 +306,15 @@ class SpecDecodeMetrics:
                 counts = np.bincount(draft_lengths[rows])
                 counters.draft_length_histogram = _add_lists(counters.draft_length_histogram, counts)
 
+    def observe_plain_rows(self, num_thinking: int, num_rows: int) -> None:
+        """observe_draft_lengths of a step whose num_rows decode rows all draft 0, num_thinking of
+        them thinking (plain Python: this runs before every plain step of an adaptive engine)."""
+        for counters, n in ((self.thinking, num_thinking), (self.answer, num_rows - num_thinking)):
+            if n:
+                hist = list(counters.draft_length_histogram) or [0]  # a new list, as _add_lists makes
+                hist[0] += n
+                counters.draft_length_histogram = hist
+
     def count_draft_length(self, k: int, thinking: bool) -> None:
         """One row's choice (per-request metrics: one Python addition per row and step)."""
         hist = (self.thinking if thinking else self.answer).draft_length_histogram

@@ -102,6 +102,9 @@ class StepCostModel:
         # [buckets, K+1] learned ms per step by longest window kmax (0 = plain), NaN = not measured
         self.overhead = np.full((len(self.buckets), k_max + 1), np.nan)
         self.seen = np.zeros((len(self.buckets), k_max + 1), dtype=np.int64)  # measurements of each entry
+        # per bucket row: every row, nearest first (ties: the smaller bucket), where overheads are borrowed
+        n = len(self.buckets)
+        self._by_distance = [sorted(range(n), key=lambda r, row=row: abs(r - row)) for row in range(n)]
         self._round: dict[int, np.ndarray] = {}  # batch -> round_ms(batch), until the next add
         self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
         if not self.costs and measure is None:
@@ -145,17 +148,18 @@ class StepCostModel:
         """[K+1] learned ms per step beyond the modelled device time, by kmax, at batch's bucket
         (unmeasured entries filled as the module docstring says; 0 where nothing is measured)."""
         row = self.buckets.index(self.bucket(batch))
+        by_distance = self._by_distance[row]
+        known = ~np.isnan(self.overhead)  # [buckets, K+1]
         out = np.zeros(self.k_max + 1)
-        for cols in (slice(0, 1), slice(1, None)):  # the plain step, then the windows
-            rows = sorted(range(len(self.buckets)), key=lambda r: abs(r - row))
-            measured = next(
-                (self.overhead[r, cols] for r in rows if not np.isnan(self.overhead[r, cols]).all()), None
-            )
-            if measured is None:
-                continue
-            have = np.flatnonzero(~np.isnan(measured))
-            nearest = have[np.abs(np.arange(measured.size)[:, None] - have[None, :]).argmin(axis=1)]
-            out[cols] = measured[nearest]
+        plain = next((r for r in by_distance if known[r, 0]), None)  # the plain step: its own column only
+        if plain is not None:
+            out[0] = self.overhead[plain, 0]
+        windows = known[:, 1:].any(axis=1).tolist()
+        r = next((r for r in by_distance if windows[r]), None)
+        if r is not None:  # each window from the nearest measured window of the nearest bucket
+            have = np.flatnonzero(known[r, 1:])
+            nearest = have[np.abs(np.arange(self.k_max)[:, None] - have[None, :]).argmin(axis=1)]
+            out[1:] = self.overhead[r, 1:][nearest]
         return out
 
     def observe(self, batch: int, kmax: int, measured_ms: float, modelled_ms: float) -> None:
