@@ -38,7 +38,7 @@ import torch
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
-from thinkspec.engine.model_runner import ModelRunner, use_triton_kernels
+from thinkspec.engine.model_runner import ModelRunner, attention_layers, use_triton_kernels
 from thinkspec.engine.scheduler import Scheduler, SchedulerOutput, StepOutcome
 from thinkspec.engine.sequence import Sequence
 from thinkspec.engine.speculator import Speculator
@@ -266,6 +266,9 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as LLM(enforce_eager=True))")
     p.add_argument("--kernel-profile", action="store_true", help="verify/plain by kernel (CUDA)")
+    p.add_argument(
+        "--attention-block-n", type=int, default=None, help="keys per attention tile (default: chosen)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -279,6 +282,12 @@ def main() -> None:
         if device.type == "cuda":
             use_triton_kernels(target)  # as the engine sets models up on CUDA
             use_triton_kernels(draft)
+            if args.attention_block_n is not None:
+                from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+                fixed = TritonAttentionBackend(block_n=args.attention_block_n)
+                for layer in attention_layers(target) + attention_layers(draft):
+                    layer.backend = fixed
         batches = [int(b) for b in args.batch_sizes.split(",")]
         rows = [run_batch(args, target, tinfo, draft, dinfo, ddir, b, device) for b in batches]
     result = {
@@ -288,6 +297,7 @@ def main() -> None:
         "dtype": dtype,
         "attention_backend": "triton" if device.type == "cuda" else "torch reference",
         "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
+        "attention_block_n": args.attention_block_n or "chosen",
         "rows": rows,
     }
     if args.out:

@@ -25,6 +25,7 @@ import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear
 
 
@@ -140,8 +141,9 @@ def main() -> None:
         "--repeats", type=int, default=1, help="timed runs per plain cell, round-robin over engines"
     )
     p.add_argument(
-        "--compare-skinny", action="store_true",
-        help="also time a second plain engine whose products all stay on cuBLAS (thinkspec_cublas)",
+        "--compare", default="",
+        help="more plain engines, timed beside the default one: 'cublas' (every product on cuBLAS, "
+        "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -191,19 +193,28 @@ def main() -> None:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if args.compare_skinny and device.type == "cuda":
-            common["kv_cache_memory"] = 16 << 30  # room for two 8B engines
+        variants = [v for v in args.compare.split(",") if v]
+        unknown = set(variants) - {"cublas", "attn64"}
+        if unknown:
+            raise SystemExit(f"--compare: unknown variants {sorted(unknown)} (allowed: cublas, attn64)")
+        if variants and device.type == "cuda":
+            common["kv_cache_memory"] = 12 << 30  # room for up to three 8B engines
         llm = LLM(tdir, **common)
         weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
-        if args.compare_skinny:
-            cublas = LLM(tdir, **common)
-            for m in cublas.llm_engine.model.modules():
-                if isinstance(m, Linear):
-                    m.skinny_gemm = False  # before the first run captures its graphs
-            plain.append(("thinkspec_cublas", cublas, True))
+        for variant in variants:  # changed before their first run captures their graphs
+            other = LLM(tdir, **common)
+            for m in other.llm_engine.model.modules():
+                if variant == "cublas" and isinstance(m, Linear):
+                    m.skinny_gemm = False
+                if variant == "attn64" and isinstance(m, Attention) and device.type == "cuda":
+                    from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+                    m.backend = TritonAttentionBackend(block_n=64)
+            plain.append((f"thinkspec_{variant}", other, True))
+            del other
         for b in batches:
             prompts = all_prompts[:b].tolist()
             reps: dict[str, list[tuple[float, dict]]] = {name: [] for name, _, _ in plain}
@@ -219,8 +230,6 @@ def main() -> None:
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
         del llm, plain
-        if args.compare_skinny:
-            del cublas
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
             spec = {"model": str(ddir), "num_speculative_tokens": args.k, "synthetic_acceptance_rate": rate}

@@ -64,7 +64,7 @@ def _check_case(spec, out, q, full, scale, k_cache, v_cache, tol):
 
 
 def test_constructor_rejects_bad_settings():
-    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+    with pytest.raises(ValueError, match="block_n must be None or a power of two >= 16, got 24"):
         TritonAttentionBackend(block_n=24)
     with pytest.raises(ValueError, match="num_splits must be None or a power of two >= 1, got 3"):
         TritonAttentionBackend(num_splits=3)
@@ -141,6 +141,36 @@ def test_interp_half_precision(dtype):
     full = [(kk.to(dtype), vv.to(dtype)) for kk, vv in full]  # the reference sees the rounded K/V
     out = TritonAttentionBackend(block_n=32, num_splits=2).forward(q, k, v, k_cache, v_cache, meta, scale)
     _check_case(spec, out, q, full, scale, k_cache, v_cache, 2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def test_block_n_choice():
+    # host ints only: 128-key tiles for 16-bit caches at >= 64 programs, except a decode grid that
+    # already fills target_programs; 64 for fp32, prefill tiles of 64 rows, few programs, or when set
+    be = TritonAttentionBackend(target_programs=264)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert be.choose_block_n(128, 1, 16, bf16, cpu) == 128  # decode, batch 16 x 8 KV heads
+    assert be.choose_block_n(256, 1, 16, torch.float16, cpu) == 128
+    assert be.choose_block_n(264, 1, 16, bf16, cpu) == 64  # decode grid already full (batch 33+)
+    assert be.choose_block_n(512, 5, 32, bf16, cpu) == 128  # verify windows, batch 64
+    assert be.choose_block_n(32, 5, 32, bf16, cpu) == 64  # batch 4: not measured with 128
+    assert be.choose_block_n(128, 1, 16, torch.float32, cpu) == 64
+    assert be.choose_block_n(128, 300, 64, bf16, cpu) == 64  # prefill tiles
+    assert TritonAttentionBackend(block_n=32).choose_block_n(512, 5, 32, bf16, cpu) == 32
+
+
+@interp
+def test_interp_auto_block_n_128_matches_reference():
+    # 16 sequences x 4 KV heads of 2-query windows: the shape-chosen 128-key tiles, bf16, over
+    # contexts shorter and longer than one tile, through shuffled paged blocks
+    spec = [(c, 2) for c in (0, 3, 17, 64, 100, 127, 128, 129, 150, 200, 255, 256, 257, 31, 90, 300)]
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, 8, 4, 16, 16, 16 * 24, seed=8, pad=1)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    full = [(kk.bfloat16(), vv.bfloat16()) for kk, vv in full]
+    be = TritonAttentionBackend(target_programs=1024, num_splits=1)
+    assert be.choose_block_n(16 * 4, 2, 16, torch.bfloat16, q.device) == 128
+    out = be.forward(q, k, v, k_cache, v_cache, meta, 16**-0.5)
+    _check_case(spec, out, q, full, 16**-0.5, k_cache, v_cache, 2e-2)
 
 
 @interp

@@ -128,6 +128,25 @@ def test_paged_attention_compiles(dtype, splits, block_q):
         compile_sm90(at._combine_kernel, ptrs, {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_D": 128}, 4)
 
 
+@pytest.mark.parametrize(("splits", "block_q"), [(1, 4), (2, 4), (1, 8), (4, 8)])
+def test_paged_attention_128_key_tiles_compile(splits, block_q):
+    # the shapes choose_block_n gives 128-key tiles: bf16, 16 rows (decode) and 32 rows (verify
+    # windows of up to 8 queries), unsplit and split, at Triton's default launch options. At 4 warps
+    # both tile sizes use all 255 registers and a few dozen bytes of stack (64-key tiles: 32-48,
+    # 128-key: 32-80, with the Triton of this wheel); no local-memory arrays, shared memory fits.
+    ptrs = _all("bf16", "q_ptr", "k_cache_ptr", "v_cache_ptr")
+    ptrs.update(block_tables_ptr="i32", query_start_ptr="i32", seq_lens_ptr="i32", ml_ptr="fp32")
+    ptrs["out_ptr"] = "fp32" if splits > 1 else "bf16"
+    constexprs = {
+        "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 128,
+        "BLOCK_D": 128, "NUM_SPLITS": splits, "FP32_DOT": False,
+    }  # fmt: skip
+    kernel = compile_sm90(at._paged_attn_kernel, ptrs, constexprs, 4, num_stages=3)
+    usage = resource_usage(kernel.asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] <= 128, usage
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("k", [4096, 12288, 1000])
 def test_gemv_compiles_without_spills(rows, k):

@@ -41,7 +41,7 @@ def test_bench_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
     cmd = [sys.executable, "benchmarks/bench_throughput.py", "--small", "--device", "cpu", "--skip-hf",
            "--batch-sizes", "1,2", "--output-len", "12", "--acceptance-lengths", "3",
-           "--repeats", "2", "--compare-skinny", "--out", str(out)]  # fmt: skip
+           "--repeats", "2", "--compare", "cublas", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]

@@ -253,7 +253,8 @@ def _pow2(n: int) -> int:
 class TritonAttentionBackend:
     """Paged attention in Triton kernels; the AttentionBackend protocol of attention.py.
 
-    block_n: keys per tile (a power of two >= 16). num_splits: split-KV factor (a power of two), or
+    block_n: keys per tile (a power of two >= 16), or None to choose it from the launch shape
+    (choose_block_n). num_splits: split-KV factor (a power of two), or
     None to choose it from the launch shape: split only when (sequences x query tiles x KV heads)
     leaves the GPU under-filled, into splits of at least min_split_len / 2 keys of the longest context
     (a program's time grows with the tiles it walks one after another, so small batches split early).
@@ -265,7 +266,7 @@ class TritonAttentionBackend:
 
     def __init__(
         self,
-        block_n: int = 64,
+        block_n: int | None = None,
         num_splits: int | None = None,
         max_splits: int = 32,
         min_split_len: int = 64,
@@ -273,8 +274,8 @@ class TritonAttentionBackend:
         num_warps: int | None = None,
         num_stages: int | None = None,
     ) -> None:
-        if not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+        if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+            raise ValueError(f"block_n must be None or a power of two >= 16, got {block_n!r}")
         if num_splits is not None and (
             not isinstance(num_splits, int) or num_splits < 1 or num_splits & (num_splits - 1)
         ):
@@ -306,6 +307,23 @@ class TritonAttentionBackend:
         if device.type == "cuda":
             return 2 * torch.cuda.get_device_properties(device).multi_processor_count
         return 16
+
+    def choose_block_n(
+        self, programs: int, max_query_len: int, block_m: int, dtype: torch.dtype, device: torch.device
+    ) -> int:
+        """Keys per tile from host ints only (launch programs without splitting, rows per program).
+        Measured on the H200 (docs/BENCHMARKS.md, "Keys per tile"): 128-key tiles beat 64 for 16-bit
+        caches at 8-64 sequences, by up to 24% at 2k-8k keys, except for a decode grid (one query per
+        sequence) that already has target_programs programs, where they lose up to 19%. Fewer
+        programs (batch 1-4) were measured with 64 and keep it; so do fp32 caches and prefill tiles
+        of 64 rows (shared memory and registers)."""
+        if self.block_n is not None:
+            return self.block_n
+        if dtype not in (torch.bfloat16, torch.float16) or block_m > 32 or programs < 64:
+            return 64
+        if max_query_len == 1 and programs >= self._target_programs(device):
+            return 64
+        return 128
 
     def choose_splits(self, programs: int, max_seq_len: int, device: torch.device) -> int:
         """Split-KV factor from host ints only (launch programs without splitting, longest context)."""
@@ -362,7 +380,9 @@ class TritonAttentionBackend:
         block_m = max(16, group_pad, min(64, _pow2(max_q * group_pad)))
         block_q = block_m // group_pad
         q_tiles = math.ceil(max_q / block_q)
-        splits = self.choose_splits(num_seqs * q_tiles * num_kv_heads, meta.max_seq_len, q.device)
+        programs = num_seqs * q_tiles * num_kv_heads
+        block_n = self.choose_block_n(programs, max_q, block_m, q.dtype, q.device)
+        splits = self.choose_splits(programs, meta.max_seq_len, q.device)
         if splits == 1:
             dst, ml = out, out
             strides = (out.stride(0), out.stride(1), 0)
@@ -376,7 +396,7 @@ class TritonAttentionBackend:
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables, meta.block_tables.stride(0), meta.query_start_loc, meta.seq_lens,
             dst, *strides, ml, scale * _LOG2E, num_heads, num_tokens, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n,
+            BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
             BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot, **self.launch,
         )  # fmt: skip
         if splits > 1:
