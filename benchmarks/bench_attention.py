@@ -3,7 +3,7 @@
 Qwen3-8B heads (32 query, 8 KV, head dim 128), bf16, KV block size 16, block tables shuffled.
 For each context length and batch, builds one KV cache per layer (so a step's caches do not sit
 in L2, as in a real step), captures a CUDA graph of one backend forward per layer (KV store,
-zero-fill, attention and, when split, the combine launch: everything a decode step pays for
+zero-fill, attention and, when split, the merge: everything a decode step pays for
 attention) and reports microseconds per layer and the ratio to the HBM floor of reading the K/V
 once (--bandwidth). Each launch shape is checked against the split-free default first. Writes
 JSON (--out) and prints the best shape per context last.

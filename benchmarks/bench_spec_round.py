@@ -269,6 +269,7 @@ def main() -> None:
     p.add_argument(
         "--attention-block-n", type=int, default=None, help="keys per attention tile (default: chosen)"
     )
+    p.add_argument("--combine-launch", action="store_true", help="split-KV merge as a separate launch")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -282,10 +283,11 @@ def main() -> None:
         if device.type == "cuda":
             use_triton_kernels(target)  # as the engine sets models up on CUDA
             use_triton_kernels(draft)
-            if args.attention_block_n is not None:
+            if args.attention_block_n is not None or args.combine_launch:
                 from thinkspec.layers.attention_triton import TritonAttentionBackend
 
-                fixed = TritonAttentionBackend(block_n=args.attention_block_n)
+                merge = not args.combine_launch
+                fixed = TritonAttentionBackend(block_n=args.attention_block_n, fused_combine=merge)
                 for layer in attention_layers(target) + attention_layers(draft):
                     layer.backend = fixed
         batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -298,6 +300,7 @@ def main() -> None:
         "attention_backend": "triton" if device.type == "cuda" else "torch reference",
         "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
         "attention_block_n": args.attention_block_n or "chosen",
+        "attention_merge": "launch" if args.combine_launch else "fused",
         "rows": rows,
     }
     if args.out:

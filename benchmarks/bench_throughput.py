@@ -143,7 +143,8 @@ def main() -> None:
     p.add_argument(
         "--compare", default="",
         help="more plain engines, timed beside the default one: 'cublas' (every product on cuBLAS, "
-        "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64); comma-separated",
+        "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
+        "(split-KV partials merged by a separate launch, thinkspec_combine); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -194,9 +195,9 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        unknown = set(variants) - {"cublas", "attn64"}
+        unknown = sorted(set(variants) - {"cublas", "attn64", "combine"})
         if unknown:
-            raise SystemExit(f"--compare: unknown variants {sorted(unknown)} (allowed: cublas, attn64)")
+            raise SystemExit(f"--compare: unknown variants {unknown} (allowed: cublas, attn64, combine)")
         if variants and device.type == "cuda":
             common["kv_cache_memory"] = 12 << 30  # room for up to three 8B engines
         llm = LLM(tdir, **common)
@@ -209,10 +210,14 @@ def main() -> None:
             for m in other.llm_engine.model.modules():
                 if variant == "cublas" and isinstance(m, Linear):
                     m.skinny_gemm = False
-                if variant == "attn64" and isinstance(m, Attention) and device.type == "cuda":
+                if variant in ("attn64", "combine") and isinstance(m, Attention) and device.type == "cuda":
                     from thinkspec.layers.attention_triton import TritonAttentionBackend
 
-                    m.backend = TritonAttentionBackend(block_n=64)
+                    m.backend = (
+                        TritonAttentionBackend(block_n=64)
+                        if variant == "attn64"
+                        else TritonAttentionBackend(fused_combine=False)
+                    )
             plain.append((f"thinkspec_{variant}", other, True))
             del other
         for b in batches:

@@ -122,6 +122,25 @@ def test_interp_matches_dense_reference(case, block_size, hq, hkv, splits):
 
 
 @interp
+@pytest.mark.parametrize("splits", [2, 4, 64])
+def test_interp_fused_merge_equals_combine_launch(splits):
+    # The last split program merging in-kernel gives the separate combine launch's rows (same sums in
+    # split order), padding rows zero, and leaves every arrival counter at zero for the next launch.
+    spec = [(100, 1), (0, 5), (37, 3), (64, 2)]
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, 8, 2, 16, 16, 24, seed=splits, pad=3)
+    fused = TritonAttentionBackend(block_n=16, num_splits=splits)
+    out = fused.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    again = fused.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    launch = TritonAttentionBackend(block_n=16, num_splits=splits, fused_combine=False)
+    ref = launch.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    _check_case(spec, ref, q, full, 0.25, k_cache, v_cache, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out, again) and torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+    assert len(fused._counters) == 1 and not fused._counters[0].any()
+    assert not launch._counters  # the combine launch needs no counters
+
+
+@interp
 def test_interp_max_splits_with_empty_splits():
     # 64 splits over at most 7 tiles: most splits are empty and must weigh nothing
     spec = [(100, 1), (0, 5), (37, 3)]
@@ -324,6 +343,37 @@ def test_gpu_matches_torch_backend(batch, max_ctx, qlen):
         for new, before, after in ((k, k_cache, kc), (v, v_cache, vc)):
             assert torch.equal(after.view(-1, 8, 128)[meta.slot_mapping], new)  # new tokens written
             assert torch.equal(after.view(-1, 8, 128)[~written], before.view(-1, 8, 128)[~written])
+
+
+@gpu
+@pytest.mark.parametrize(("batch", "qlen", "splits"), [(1, 1, None), (16, 1, None), (16, 5, 8), (4, 5, 32)])
+def test_gpu_fused_merge_is_race_free(batch, qlen, splits):
+    # The in-kernel merge (the last split program of each sequence, query tile and KV head reads the
+    # others' partials) against the separate combine launch, over many launches of one CUDA graph:
+    # every replay gives the same rows, close to the combine launch's, and the counters end at zero.
+    g = torch.Generator().manual_seed(batch + qlen)
+    ctx = torch.randint(1, 3000, (batch,), generator=g).tolist()
+    q, k, v, k_cache, v_cache, meta = _gpu_case(batch, ctx, qlen, seed=batch * 3 + qlen)
+    meta.max_seq_len = 40960  # as the engine's graphs set it (max_model_len): the shape's own splits
+    launch = TritonAttentionBackend(num_splits=splits, fused_combine=False)
+    ref = launch.forward(q, k, v, k_cache, v_cache, meta, 128**-0.5)
+    fused = TritonAttentionBackend(num_splits=splits)
+    out = fused.forward(q, k, v, k_cache, v_cache, meta, 128**-0.5)  # warm-up: compile, counters
+    programs = batch * 8  # one query tile per sequence (16 or 32 rows)
+    assert fused.choose_splits(programs, meta.max_seq_len, q.device) > 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            out = fused.forward(q, k, v, k_cache, v_cache, meta, 128**-0.5, kv_stored=True)
+    first = None
+    for _ in range(25):  # 500 launches
+        graph.replay()
+        torch.cuda.synchronize()
+        if first is None:
+            first = out.clone()
+        assert torch.equal(out, first)
+    torch.testing.assert_close(first.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert not any(c.any() for c in fused._counters)
 
 
 @gpu

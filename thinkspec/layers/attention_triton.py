@@ -8,11 +8,15 @@ ints (T, B, meta.max_query_len, meta.max_seq_len, head counts), so a step can be
                           query heads of one KV head (GQA: each K/V tile is loaded once per group), over
                           split s of the sequence's causal KV range, read through the block table one
                           token at a time (any block_size). Online softmax in fp32 with exp2.
-  3. _combine_kernel      grid (T, Hq)                   only when S > 1 (split-KV): merges the S partial
-                          (max, sum, acc) of each row.
+  3. _combine_kernel      grid (T, Hq)                   only when S > 1 (split-KV) and the merge is not
+                          fused: merges the S partial (max, sum, acc) of each row.
+With fused_combine (the default) there is no third launch: each split program stores its partials,
+then counts itself in on a per-(sequence, query tile, KV head) counter (a release/acquire atomic
+after a block barrier), and the program that arrives last merges the S partials in split order,
+writes the final rows and sets the counter back to zero for the next launch (graph replays).
 Sequences are located from query_start_loc / seq_lens inside the kernels; no device value is read on
-the host. Rows past query_start_loc[-1] (padding) come out zero, written by the programs of the first
-sequence's first query tile (S == 1) or by the combine (S > 1), so the output needs no zero-fill.
+the host. Rows past query_start_loc[-1] (padding) come out zero, written by the split-0 programs of
+the first sequence's first query tile (or by the combine launch), so the output needs no zero-fill.
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ def _paged_attn_kernel(
     stride_oh,
     stride_os,
     ml_ptr,  # S > 1: [T, Hq, S, 2] float32 partial (max, sum) in log2 units; unused when S == 1
+    final_ptr,  # [T, Hq, D] q dtype: the output (S == 1: out_ptr itself; S > 1: written by the merge)
+    stride_ft,
+    stride_fh,
+    sem_ptr,  # FUSE_COMBINE: [B * Q tiles * Hkv] int32 arrival counters, zero between launches
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_tokens,  # T, padding rows included
@@ -108,6 +116,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr,  # S > 1: the last split program merges (no _combine_kernel launch)
     FP32_DOT: tl.constexpr,  # fp32 operands, exact products (fp32 inputs; bf16 under the interpreter)
 ):
     b = tl.program_id(0)
@@ -116,18 +125,18 @@ def _paged_attn_kernel(
     split = tl.program_id(2) % NUM_SPLITS
 
     d = tl.arange(0, BLOCK_D)
-    if NUM_SPLITS == 1:  # noqa: SIM102 (compile-time branch around a run-time one)
-        if (b == 0) & (q_tile == 0):
+    if (NUM_SPLITS == 1) or FUSE_COMBINE:  # noqa: SIM102 (compile-time branch around a run-time one)
+        if (b == 0) & (q_tile == 0) & (split == 0):
             # Padding rows (past the last sequence's tokens) come out zero: nothing else writes them.
             g_pad = tl.arange(0, GROUP_PAD)
             zero_mask = _rows_mask(g_pad < GROUP, d, HEAD_DIM, BLOCK_D)
             q_end = tl.load(query_start_ptr + tl.num_programs(0))
-            zero_dst = out_ptr + q_end.to(tl.int64) * stride_ot + (h_kv * GROUP + g_pad)[:, None] * stride_oh
-            zero_dst += d[None, :]
-            zeros = tl.zeros([GROUP_PAD, BLOCK_D], out_ptr.dtype.element_ty)
+            zero_dst = final_ptr + q_end.to(tl.int64) * stride_ft + d[None, :]
+            zero_dst += (h_kv * GROUP + g_pad)[:, None] * stride_fh
+            zeros = tl.zeros([GROUP_PAD, BLOCK_D], final_ptr.dtype.element_ty)
             for _ in range(q_end, num_tokens):
                 tl.store(zero_dst, zeros, mask=zero_mask)
-                zero_dst += stride_ot
+                zero_dst += stride_ft
 
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
@@ -194,9 +203,35 @@ def _paged_attn_kernel(
     else:
         base = tok * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
         tl.store(out_ptr + base[:, None] + d[None, :], acc, mask=out_mask)
-        ml_base = ((tok * num_heads + head) * NUM_SPLITS + split) * 2
-        tl.store(ml_ptr + ml_base, m_i, mask=row_ok)
-        tl.store(ml_ptr + ml_base + 1, l_i, mask=row_ok)
+        ml_row = (tok * num_heads + head) * NUM_SPLITS  # [BLOCK_M]
+        tl.store(ml_ptr + (ml_row + split) * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + (ml_row + split) * 2 + 1, l_i, mask=row_ok)
+        if FUSE_COMBINE:
+            # Every thread's partial stores come before this program's release (block barrier, then a
+            # gpu-scope acq_rel atomic); the program counted last acquires everyone's and merges.
+            tl.debug_barrier()
+            heads_kv = tl.num_programs(2) // NUM_SPLITS
+            sem = sem_ptr + (b * tl.num_programs(1) + q_tile) * heads_kv + h_kv
+            if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+                ml_rows = ml_ptr + ml_row * 2  # [BLOCK_M] each row's split-0 (max, sum)
+                m_max = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+                for i in range(NUM_SPLITS):
+                    m_s = tl.load(ml_rows + 2 * i, mask=row_ok, other=_NEG_BIG, cache_modifier=".cg")
+                    m_max = tl.maximum(m_max, m_s)
+                den = tl.zeros([BLOCK_M], tl.float32)
+                o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                part = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :]
+                for i in range(NUM_SPLITS):  # split order: the same sums whichever program merges
+                    m_s = tl.load(ml_rows + 2 * i, mask=row_ok, other=_NEG_BIG, cache_modifier=".cg")
+                    l_s = tl.load(ml_rows + 2 * i + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    w = tl.exp2(m_s - m_max)  # empty splits: m = -1e30 -> weight 0
+                    den += w * l_s
+                    a = tl.load(part + i * stride_os, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    o += a * w[:, None]
+                o = o / tl.where(den > 0, den, 1.0)[:, None]
+                dst = final_ptr + tok[:, None] * stride_ft + head[:, None] * stride_fh + d[None, :]
+                tl.store(dst, o.to(final_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -262,6 +297,8 @@ class TritonAttentionBackend:
     CUDA graph. target_programs (default 2 x SM count) is the grid size splitting aims for; 4 x
     measured faster for plain decode at 8k-32k keys but not yet across the engine (docs/BENCHMARKS.md).
     num_warps / num_stages: launch options of the attention kernel (None: Triton's defaults).
+    fused_combine: with S > 1, the attention kernel's last split program merges the partials (see the
+    module docstring) instead of a separate _combine_kernel launch.
     """
 
     def __init__(
@@ -273,6 +310,7 @@ class TritonAttentionBackend:
         target_programs: int | None = None,
         num_warps: int | None = None,
         num_stages: int | None = None,
+        fused_combine: bool = True,
     ) -> None:
         if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
             raise ValueError(f"block_n must be None or a power of two >= 16, got {block_n!r}")
@@ -299,6 +337,10 @@ class TritonAttentionBackend:
         self.max_splits = max_splits
         self.min_split_len = min_split_len
         self.target_programs = target_programs
+        self.fused_combine = bool(fused_combine)
+        # Arrival counters of the fused merge, zero between launches. Buffers are never freed: a
+        # captured CUDA graph keeps using the one it was captured with.
+        self._counters: list[torch.Tensor] = []
         self.fallback = TorchAttentionBackend()
 
     def _target_programs(self, device: torch.device) -> int:
@@ -324,6 +366,14 @@ class TritonAttentionBackend:
         if max_query_len == 1 and programs >= self._target_programs(device):
             return 64
         return 128
+
+    def counters(self, num: int, device: torch.device) -> torch.Tensor:
+        """[>= num] int32 zeros for the fused merge's arrival counters (allocated once, then reused)."""
+        for c in self._counters:
+            if c.device == device and c.numel() >= num:
+                return c
+        self._counters.append(torch.zeros(max(num, 4096), dtype=torch.int32, device=device))
+        return self._counters[-1]
 
     def choose_splits(self, programs: int, max_seq_len: int, device: torch.device) -> int:
         """Split-KV factor from host ints only (launch programs without splitting, longest context)."""
@@ -383,23 +433,26 @@ class TritonAttentionBackend:
         programs = num_seqs * q_tiles * num_kv_heads
         block_n = self.choose_block_n(programs, max_q, block_m, q.dtype, q.device)
         splits = self.choose_splits(programs, meta.max_seq_len, q.device)
+        fused = self.fused_combine and splits > 1
         if splits == 1:
-            dst, ml = out, out
+            dst, ml, counters = out, out, out
             strides = (out.stride(0), out.stride(1), 0)
         else:
             dst = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
             strides = (dst.stride(0), dst.stride(1), dst.stride(2))
+            counters = self.counters(programs, q.device) if fused else ml
         fp32_dot = q.dtype == torch.float32 or (_interpreting() and q.dtype == torch.bfloat16)
         _paged_attn_kernel[(num_seqs, q_tiles, num_kv_heads * splits)](
             q, q.stride(0), q.stride(1),
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables, meta.block_tables.stride(0), meta.query_start_loc, meta.seq_lens,
-            dst, *strides, ml, scale * _LOG2E, num_heads, num_tokens, HEAD_DIM=head_dim,
+            dst, *strides, ml, out, out.stride(0), out.stride(1), counters, scale * _LOG2E, num_heads,
+            num_tokens, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, FP32_DOT=fp32_dot, **self.launch,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot, **self.launch,
         )  # fmt: skip
-        if splits > 1:
+        if splits > 1 and not fused:
             _combine_kernel[(num_tokens, num_heads)](
                 dst, ml, out, out.stride(0), out.stride(1), meta.query_start_loc, num_seqs, num_heads,
                 HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_D=block_d,
