@@ -387,17 +387,18 @@ class Speculator:
         unless its group drafts."""
         assert self.draft_length is not None
         tracked, default = self.tracker is not None, self.config.relaxed_thinking
-        thinking, groups = [], []
+        thinking, groups, counts = [], [], [0] * len(GROUPS)
         for i in decodes:
             seq = seqs[i]
             t = self.is_thinking(seq)
             override = seq.sampling_params.relaxed_thinking  # relax_settings' first field, inlined
+            g = group_of(t, tracked and t and bool(default if override is None else override))
             thinking.append(t)
-            groups.append(group_of(t, tracked and t and bool(default if override is None else override)))
-        ks = self.draft_length.choose(np.bincount(np.asarray(groups, dtype=np.int64), minlength=len(GROUPS)))
-        if not ks.any():  # the plain step: no row drafts, no caps to work out
+            groups.append(g)
+            counts[g] += 1
+        group_ks = self.draft_length.choose(counts).tolist()
+        if not any(group_ks):  # the plain step: no row drafts, no caps to work out
             return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking
-        group_ks = ks.tolist()
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
                     for g, i in zip(groups, decodes)]  # fmt: skip
         chosen = [b for b, k in enumerate(row_list) if k > 0]

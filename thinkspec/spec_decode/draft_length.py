@@ -92,24 +92,30 @@ class AdaptiveDraftLength:
         # (counts [G], best ks of the groups present, whether any drafts, choice number)
         self._cache: tuple[list[int], np.ndarray, bool, int] | None = None
 
-    def choose(self, counts: np.ndarray) -> np.ndarray:
-        """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0)."""
-        counts = np.asarray(counts, dtype=np.int64)
-        present = np.flatnonzero(counts)
-        ks = np.zeros(len(GROUPS), dtype=np.int64)
-        if present.size == 0:
-            return ks
+    def choose(self, counts: np.ndarray | list[int]) -> np.ndarray:
+        """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0).
+        A reused all-plain choice takes the plain-Python path: it runs before every plain step."""
+        key = [int(c) for c in counts]
+        present = [g for g, c in enumerate(key) if c]
+        if not present:
+            return np.zeros(len(GROUPS), dtype=np.int64)
         self.num_choices += 1
-        best = self._cached_best(counts.tolist())
+        cached = self._cache
+        best = self._cached_best(key)
         if best is None:
-            self.costs.ensure(int(counts.sum()))
-            grid, gain, cost = self.evaluate(counts)
+            self.costs.ensure(sum(key))
+            grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64))
             best = grid[:, int(np.argmax(gain / cost))]
-            self._cache = (counts.tolist(), best, bool(best.any()), self.num_choices)
-        ks[present] = best
-        period = PROBE_PERIOD if best.any() else PLAIN_PROBE_PERIOD
-        if self.num_choices % period == 0:
-            g = present[(self.num_choices // period) % present.size]
+            cached = self._cache = (key, best, bool(best.any()), self.num_choices)
+        assert cached is not None
+        drafts = cached[2]
+        period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
+        probe = self.num_choices % period == 0
+        ks = np.zeros(len(GROUPS), dtype=np.int64)
+        if drafts or probe:
+            ks[present] = best
+        if probe:
+            g = present[(self.num_choices // period) % len(present)]
             ks[g] = min(self.k_max, ks[g] + 1)
         return ks
 
@@ -154,12 +160,13 @@ class AdaptiveDraftLength:
             grid = self._grids[num_groups] = np.array(list(choices), dtype=np.int64).T
         return grid
 
-    def modelled_ms(self, row_ks: np.ndarray) -> float:
-        """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out)."""
+    def modelled_ms(self, row_ks: np.ndarray, kmax: int | None = None) -> float:
+        """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out);
+        kmax: row_ks.max() when the caller has it."""
         batch = len(row_ks)
         if batch == 0:
             return 0.0
-        kmax = int(row_ks.max())
+        kmax = int(row_ks.max()) if kmax is None else kmax
         ms = float(self.costs.round_ms(batch)[kmax])
         if kmax > 1:
             rows = (row_ks[None, :] > np.arange(1, kmax)[:, None]).sum(axis=1)  # [kmax-1]
@@ -179,7 +186,8 @@ class AdaptiveDraftLength:
     def observe_time(self, row_ks: np.ndarray, wall_ms: float) -> None:
         """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain)."""
         if len(row_ks):
-            self.costs.observe(len(row_ks), int(row_ks.max()), wall_ms, self.modelled_ms(row_ks))
+            kmax = int(row_ks.max())
+            self.costs.observe(len(row_ks), kmax, wall_ms, self.modelled_ms(row_ks, kmax))
 
 
 class ForcedDraftLength:

@@ -26,6 +26,7 @@ the learned overhead carries the rest.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -169,9 +170,9 @@ class StepCostModel:
         moves it up by at most what twice the entry plus 1 ms would."""
         row = self.buckets.index(self.bucket(batch))
         extra = max(measured_ms - modelled_ms, 0.0)
-        cur, seen = self.overhead[row, kmax], self.seen[row, kmax]
-        if np.isnan(cur) or seen < MIN_OF:
-            new = extra if np.isnan(cur) else min(cur, extra)
+        cur, seen = float(self.overhead[row, kmax]), int(self.seen[row, kmax])  # Python scalars: per step
+        if math.isnan(cur) or seen < MIN_OF:
+            new = extra if math.isnan(cur) else min(cur, extra)
         else:
             new = cur + OVERHEAD_ALPHA * (min(extra, 2.0 * cur + 1.0) - cur)
         self.overhead[row, kmax] = new
