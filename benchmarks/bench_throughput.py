@@ -207,17 +207,17 @@ def main() -> None:
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
             other = LLM(tdir, **common)
+            backend = None  # one backend shared by every layer, as the engine sets it up
+            if variant in ("attn64", "combine") and device.type == "cuda":
+                from thinkspec.layers.attention_triton import TritonAttentionBackend
+
+                backend = TritonAttentionBackend(block_n=64 if variant == "attn64" else None,
+                                                 fused_combine=variant != "combine")  # fmt: skip
             for m in other.llm_engine.model.modules():
                 if variant == "cublas" and isinstance(m, Linear):
                     m.skinny_gemm = False
-                if variant in ("attn64", "combine") and isinstance(m, Attention) and device.type == "cuda":
-                    from thinkspec.layers.attention_triton import TritonAttentionBackend
-
-                    m.backend = (
-                        TritonAttentionBackend(block_n=64)
-                        if variant == "attn64"
-                        else TritonAttentionBackend(fused_combine=False)
-                    )
+                if backend is not None and isinstance(m, Attention):
+                    m.backend = backend
             plain.append((f"thinkspec_{variant}", other, True))
             del other
         for b in batches:
