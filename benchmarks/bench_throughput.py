@@ -25,6 +25,7 @@ import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.layers import pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear
 
@@ -144,7 +145,8 @@ def main() -> None:
         "--compare", default="",
         help="more plain engines, timed beside the default one: 'cublas' (every product on cuBLAS, "
         "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
-        "(split-KV partials merged by a separate launch, thinkspec_combine); comma-separated",
+        "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
+        "dependent launch, thinkspec_nopdl); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -195,15 +197,18 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        unknown = sorted(set(variants) - {"cublas", "attn64", "combine"})
+        allowed = ("cublas", "attn64", "combine", "nopdl")
+        unknown = sorted(set(variants) - set(allowed))
         if unknown:
-            raise SystemExit(f"--compare: unknown variants {unknown} (allowed: cublas, attn64, combine)")
+            raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
         if variants and device.type == "cuda":
             common["kv_cache_memory"] = 12 << 30  # room for up to three 8B engines
         llm = LLM(tdir, **common)
         weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
+        # PDL settings are process-wide and read at launch: each engine runs (and captures) under its own
+        launch = {"": pdl.ENABLED, "nopdl": False}
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
             other = LLM(tdir, **common)
@@ -225,6 +230,7 @@ def main() -> None:
             reps: dict[str, list[tuple[float, dict]]] = {name: [] for name, _, _ in plain}
             for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
                 for name, engine, overlap in plain:
+                    pdl.ENABLED = launch.get(name.removeprefix("thinkspec_"), launch[""])
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
             for name, times in reps.items():
@@ -234,6 +240,7 @@ def main() -> None:
                 record(
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
+        pdl.ENABLED = launch[""]
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)

@@ -78,9 +78,9 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || record nvidia-smi "$rc" 0
 
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "${TESTS_TIMEOUT:-360}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
-  record tests "$rc" "${TESTS_TIMEOUT:-200}" "$(grep -E '(passed|failed|error|no tests ran)' "$OUT/gpu_tests.log" | tail -1)"
+  record tests "$rc" "${TESTS_TIMEOUT:-360}" "$(grep -E '(passed|failed|error|no tests ran)' "$OUT/gpu_tests.log" | tail -1)"
 fi
 
 

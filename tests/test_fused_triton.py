@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not importable")
 from checkpoints import PagedHarness, tiny_checkpoint  # noqa: E402
 from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
+from thinkspec.distributed.parallel_state import TPLayout  # noqa: E402
 from thinkspec.layers import fused_triton  # noqa: E402
 from thinkspec.layers.attention_torch import store_kvcache  # noqa: E402
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context  # noqa: E402
@@ -373,7 +374,9 @@ def _qwen3_8b_layer(t: int, dtype: torch.dtype = torch.bfloat16):
     try:
         with torch.device("cuda"):
             rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-            layer = DecoderLayer(cfg, rotary, qkv_bias=False, o_bias=False, qk_norm=True, mlp_bias=False)
+            layer = DecoderLayer(
+                cfg, rotary, qkv_bias=False, o_bias=False, qk_norm=True, mlp_bias=False, tp=TPLayout()
+            )
     finally:
         torch.set_default_dtype(previous)
     g = torch.Generator(device="cuda").manual_seed(0)

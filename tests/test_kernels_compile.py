@@ -54,9 +54,21 @@ def compile_sm90(
         i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ALIGNED or name in aligned
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    constexprs = {"PDL": False, **constexprs} if "PDL" in signature else constexprs
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton_compile(src, target=SM90, options={"num_warps": num_warps, **options})
+    launch = {"launch_pdl": True} if constexprs.get("PDL") else {}
+    compiled = triton_compile(src, target=SM90, options={"num_warps": num_warps, **launch, **options})
     assert compiled.asm["cubin"], kernel.fn.__name__
+    # PDL launches wait for the kernel before them first, and release the next one after that
+    ptx = compiled.asm["ptx"]
+    has_wait = "griddepcontrol.wait" in ptx
+    assert has_wait == bool(constexprs.get("PDL")), (kernel.fn.__name__, has_wait)
+    if has_wait:
+        assert "griddepcontrol.launch_dependents" in ptx
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+        before_wait = ptx[: ptx.index("griddepcontrol.wait")]
+        memory = re.search(r"\b(ld|st|atom|red|cp\.async)\.global", before_wait)
+        assert not memory, f"{kernel.fn.__name__}: memory access before the wait"
     return compiled
 
 
@@ -77,35 +89,41 @@ def _all(dtype: str, *names: str) -> dict[str, str]:
     return dict.fromkeys(names, dtype)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_compiles(dtype, residual):
+def test_rms_norm_compiles(dtype, residual, pdl):
     ptrs = _all(dtype, "x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr")
-    compile_sm90(ft._rms_norm_kernel, ptrs, {"HAS_RESIDUAL": residual, "BLOCK": 4096}, 8, **ft._COMPILE)
+    constexprs = {"HAS_RESIDUAL": residual, "BLOCK": 4096, "PDL": pdl}
+    compile_sm90(ft._rms_norm_kernel, ptrs, constexprs, 8, **ft._COMPILE)
 
 
-@pytest.mark.parametrize("store_kv", [False, True])
+@pytest.mark.parametrize(("store_kv", "pdl"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("block_h", [1, 4])
 @pytest.mark.parametrize("has_norm", [False, True])
-def test_qk_norm_rope_compiles(block_h, has_norm, store_kv):
+def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl):
     ptrs = _all("bf16", "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")
     ptrs.update(_all("bf16", "k_cache_ptr", "v_cache_ptr"), pos_ptr="i64", cache_ptr="fp32", slot_ptr="i64")
     constexprs = {
         "HAS_NORM": has_norm, "HEAD_DIM": 128, "BLOCK_H": block_h, "BLOCK_HALF": 64, "STORE_KV": store_kv,
+        "PDL": pdl,
     }  # fmt: skip
     compile_sm90(
         ft._qk_norm_rope_kernel, ptrs, constexprs, min(max(block_h * 64 // 128, 1), 4), **ft._COMPILE
     )
 
 
-def test_silu_and_mul_compiles():
-    compile_sm90(ft._silu_and_mul_kernel, _all("bf16", "x_ptr", "out_ptr"), {"BLOCK": 1024}, 4, **ft._COMPILE)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_silu_and_mul_compiles(pdl):
+    ptrs = _all("bf16", "x_ptr", "out_ptr")
+    compile_sm90(ft._silu_and_mul_kernel, ptrs, {"BLOCK": 1024, "PDL": pdl}, 4, **ft._COMPILE)
 
 
-def test_store_kv_compiles():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_store_kv_compiles(pdl):
     ptrs = _all("bf16", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
     ptrs["slot_ptr"] = "i64"
-    compile_sm90(at._store_kv_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128}, 4)
+    compile_sm90(at._store_kv_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128, "PDL": pdl}, 4)
 
 
 def _attention_pointers(dtype: str, splits: int) -> dict[str, str]:
@@ -116,17 +134,18 @@ def _attention_pointers(dtype: str, splits: int) -> dict[str, str]:
     return ptrs
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize(
     ("dtype", "splits", "block_q", "fused"),
     [("bf16", 1, 4, False), ("bf16", 16, 4, True), ("bf16", 16, 4, False), ("bf16", 64, 4, True),
      ("bf16", 1, 16, False), ("fp32", 4, 4, True), ("fp32", 4, 4, False)],
 )  # fmt: skip
-def test_paged_attention_compiles(dtype, splits, block_q, fused):
+def test_paged_attention_compiles(dtype, splits, block_q, fused, pdl):
     # block_q 4: decode / verify rows (GROUP 4 pads to 16 rows); 16: prefill chunks (64 rows);
     # fused: the last split program merges (gpu-scope acq_rel atomic after a block barrier)
     constexprs = {
         "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 64,
-        "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": fused, "FP32_DOT": dtype == "fp32",
+        "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": fused, "FP32_DOT": dtype == "fp32", "PDL": pdl,
     }  # fmt: skip
     kernel = compile_sm90(at._paged_attn_kernel, _attention_pointers(dtype, splits), constexprs, 4)
     if fused:
@@ -135,7 +154,8 @@ def test_paged_attention_compiles(dtype, splits, block_q, fused):
         assert "bar.sync" in ptx or "barrier.sync" in ptx
     if splits > 1 and not fused:
         ptrs = {"acc_ptr": "fp32", "ml_ptr": "fp32", "out_ptr": dtype, "query_start_ptr": "i32"}
-        compile_sm90(at._combine_kernel, ptrs, {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_D": 128}, 4)
+        constexprs = {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_D": 128, "PDL": pdl}
+        compile_sm90(at._combine_kernel, ptrs, constexprs, 4)
 
 
 @pytest.mark.parametrize(("splits", "block_q"), [(1, 4), (2, 4), (1, 8), (4, 8)])
@@ -156,14 +176,15 @@ def test_paged_attention_128_key_tiles_compile(splits, block_q):
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("k", [4096, 12288, 1000])
-def test_gemv_compiles_without_spills(rows, k):
+def test_gemv_compiles_without_spills(rows, k, pdl):
     # the engine's launch shapes (gemv_config) at Qwen3-8B / 0.6B widths; 1000: the masked-K path
     block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k)
     constexprs = {
         "HAS_BIAS": rows == 2, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
-        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0,
+        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "PDL": pdl,
     }  # fmt: skip
     ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
     kernel = compile_sm90(gt._gemv_kernel, ptrs, constexprs, warps, num_stages=stages)
@@ -183,7 +204,8 @@ def test_gemv_compiles_without_spills(rows, k):
         (128, 64, 1, 4, 5),
     ],
 )
-def test_skinny_gemm_compiles_pipelined_without_spills(rows, config):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     # Qwen3-8B's o_proj (4096 x 4096), whose strides and K are multiples of 16 as at run time: the
     # weight tiles must stream through cp.async stages (the kernel's point), with no spills, and fit
     # the H200's 227 KiB of shared memory
@@ -192,7 +214,7 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config):
     for split_out in {False, split > 1}:
         constexprs = {
             "HAS_BIAS": not split_out, "SPLIT": split_out, "BLOCK_M": max(16, triton.next_power_of_2(rows)),
-            "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False,
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "PDL": pdl,
         }  # fmt: skip
         ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
         ptrs["y_ptr"] = "fp32" if split_out else "bf16"
@@ -203,7 +225,8 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config):
         assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the weight loads are not pipelined"
         assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
     ptrs = {"part_ptr": "fp32", "b_ptr": "bf16", "y_ptr": "bf16"}
-    compile_sm90(gs._split_k_sum_kernel, ptrs, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024}, 4)
+    constexprs = {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024, "PDL": pdl}
+    compile_sm90(gs._split_k_sum_kernel, ptrs, constexprs, 4)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

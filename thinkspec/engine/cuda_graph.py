@@ -295,7 +295,7 @@ class CUDAGraphCache:
         self.inputs = torch.zeros(top.size, dtype=torch.int64, device=device)
         self.block_tables = torch.full((b_max, spec.max_blocks_per_seq), -1, dtype=torch.int32, device=device)
         self._clean_from = 0  # every column >= this of block_tables holds -1
-        self.logits: torch.Tensor | None = None  # [b_max * q_max, V] float32, sized by the first warm-up
+        self.logits: torch.Tensor | None = None  # [b_max * q_max, V] float32, made by the first warm-up
 
     def layout(self, key: tuple[int, int], width: int) -> InputLayout:
         bucket, q = key
@@ -389,11 +389,11 @@ class CUDAGraphCache:
         )
         with forward_context(meta):
             hidden = self.model(ids, pos)  # [B'q, H]
-        logits = self.model.compute_logits(hidden[rows])  # [B'q, V] float32
         if self.logits is None:
             b_max, q_max = self.spec.batch_sizes[-1], self.spec.query_widths[-1]
-            self.logits = torch.empty(b_max * q_max, logits.shape[1], dtype=torch.float32, device=self.device)
-        self.logits[: bucket * q].copy_(logits)
+            vocab = self.model.config.vocab_size
+            self.logits = torch.empty(b_max * q_max, vocab, dtype=torch.float32, device=self.device)
+        self.model.compute_logits(hidden[rows], out=self.logits[: bucket * q])  # [B'q, V] float32
 
     # ---- replay -------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from thinkspec.layers.attention_torch import TorchAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
+from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(x - m) stays NaN-free
@@ -63,7 +64,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -77,8 +80,9 @@ def _store_kv_kernel(
     d = d[None, :]
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, kv.to(k_cache_ptr.dtype.element_ty), mask=mask)
     vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    release_next(PDL)
+    tl.store(k_cache_ptr + dst, kv.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, vv.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,7 +122,9 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     FUSE_COMBINE: tl.constexpr,  # S > 1: the last split program merges (no _combine_kernel launch)
     FP32_DOT: tl.constexpr,  # fp32 operands, exact products (fp32 inputs; bf16 under the interpreter)
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
     h_kv = tl.program_id(2) // NUM_SPLITS
@@ -196,6 +202,7 @@ def _paged_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
+    release_next(PDL)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -247,7 +254,9 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -269,6 +278,7 @@ def _combine_kernel(
     w = tl.exp2(m - m_max)  # empty splits: m = -1e30 -> weight 0
     den = tl.sum(w * l_s, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    release_next(PDL)
     tl.store(
         out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
         o.to(out_ptr.dtype.element_ty),
@@ -413,13 +423,14 @@ class TritonAttentionBackend:
         if num_tokens == 0 or meta.num_seqs == 0:
             return torch.zeros_like(q)
         out = torch.empty_like(q)  # the kernels write every row, padding rows as zeros
+        pdl = launch_args(q.device)
 
         if not kv_stored:
             _store_kv_kernel[(num_tokens,)](
                 k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 meta.slot_mapping, block_size, num_kv_heads, HEAD_DIM=head_dim,
-                BLOCK_H=_pow2(num_kv_heads), BLOCK_D=block_d,
+                BLOCK_H=_pow2(num_kv_heads), BLOCK_D=block_d, **pdl,
             )  # fmt: skip
 
         num_seqs = meta.num_seqs
@@ -450,11 +461,11 @@ class TritonAttentionBackend:
             dst, *strides, ml, out, out.stride(0), out.stride(1), counters, scale * _LOG2E, num_heads,
             num_tokens, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot, **self.launch,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot, **self.launch, **pdl,
         )  # fmt: skip
         if splits > 1 and not fused:
             _combine_kernel[(num_tokens, num_heads)](
                 dst, ml, out, out.stride(0), out.stride(1), meta.query_start_loc, num_seqs, num_heads,
-                HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_D=block_d,
+                HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_D=block_d, **pdl,
             )  # fmt: skip
         return out

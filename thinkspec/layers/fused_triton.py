@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+
 _COMPILE = {"enable_fp_fusion": False}
 
 
@@ -42,7 +44,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -56,6 +60,7 @@ def _rms_norm_kernel(
     y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)  # `x.to(dtype)`
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * y.to(tl.float32)  # `self.weight * x`, rounded once below
+    release_next(PDL)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -93,7 +98,7 @@ def rms_norm(
             x2, x2.stride(0), res2, res2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
             weight, n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
-            **_COMPILE,
+            **_COMPILE, **launch_args(x.device),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)
@@ -195,7 +200,9 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     STORE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     # grid (T, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): one token x BLOCK_H heads of q, then of k;
     # with STORE_KV the k programs also write the rotated k and the token's v into the paged caches
     t = tl.program_id(0).to(tl.int64)
@@ -206,6 +213,7 @@ def _qk_norm_rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cp + j, mask=j_ok, other=0.0)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cp + stride_cs + j, mask=j_ok, other=0.0)[None, :]
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    release_next(PDL)  # each program's remaining work is a few loads and its stores
     if g < q_blocks:
         _norm_rope_heads(
             q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr, t, g * BLOCK_H,
@@ -312,7 +320,7 @@ def qk_norm_rope(
         w_q, w_k, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         hq, hkv, eps, v, v.stride(0), v.stride(1), k_cache, v_cache, *cache_strides, slots, block_size,
         HAS_NORM=has_norm, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE_KV=kv_store is not None,
-        num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE,
+        num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE, **launch_args(q.device),
     )  # fmt: skip
     return q_out, k_out
 
@@ -325,7 +333,9 @@ def _silu_and_mul_kernel(
     stride_out,
     n_cols,  # I
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -334,6 +344,7 @@ def _silu_and_mul_kernel(
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded to the model dtype
     out = act.to(tl.float32) * up.to(tl.float32)
+    release_next(PDL)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -354,6 +365,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_and_mul needs the last dim of x contiguous")
     block = min(triton.next_power_of_2(n), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-        x, x.stride(0), out, out.stride(0), n, BLOCK=block, num_warps=4, **_COMPILE
+        x, x.stride(0), out, out.stride(0), n, BLOCK=block, num_warps=4, **_COMPILE, **launch_args(x.device)
     )
     return out

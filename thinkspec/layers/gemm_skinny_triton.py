@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from thinkspec.layers.gemv_triton import product_operands
+from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
 MAX_ROWS = 64
@@ -108,6 +109,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
     DOT_F32: tl.constexpr,  # widen the operands first (exact): the CPU interpreter's bf16 dot is wrong
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -122,6 +124,7 @@ def _skinny_gemm_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
     x_base = x_ptr + x_rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    wait_prior(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
@@ -136,6 +139,7 @@ def _skinny_gemm_kernel(
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
+    release_next(PDL)
     store_ok = (cols < N)[:, None] & (rows < M)[None, :]
     if SPLIT:
         out = y_ptr + pid_k * stride_ys + rows[None, :] * stride_y + cols[:, None]
@@ -157,12 +161,15 @@ def _split_k_sum_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT_K):  # a fixed order: the same sum every run
         acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    release_next(PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -195,11 +202,12 @@ def skinny_gemm(
     k_per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     b = bias if bias is not None else weight
+    grid = (triton.cdiv(n, block_n), split)
+    pdl = launch_args(x.device)
     meta = dict(
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_F32=x.device.type == "cpu", num_warps=warps, num_stages=stages,
+        DOT_F32=x.device.type == "cpu", num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
-    grid = (triton.cdiv(n, block_n), split)
     if split == 1:
         _skinny_gemm_kernel[grid](
             x, x.stride(0), weight, weight.stride(0), b, y, y.stride(0), 0, m, n, k, k_per_split,
@@ -212,6 +220,6 @@ def skinny_gemm(
         HAS_BIAS=False, SPLIT=True, **meta,
     )  # fmt: skip
     _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
-        part, b, y, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4
+        part, b, y, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4, **pdl
     )
     return y

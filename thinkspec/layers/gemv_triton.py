@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 
 
@@ -43,6 +45,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -52,6 +55,7 @@ def _gemv_kernel(
     col_ok = cols < N
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
     x_base = x_ptr + rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    wait_prior(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -64,6 +68,7 @@ def _gemv_kernel(
             )
             x = tl.load(x_base + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    release_next(PDL)
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -128,6 +133,6 @@ def gemv(
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
         m, n, k,
         HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **launch_args(x.device),
     )  # fmt: skip
     return y
