@@ -28,7 +28,6 @@ from thinkspec import LLM, SamplingParams
 from thinkspec.layers import pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear
-from thinkspec.models.decoder import DecoderMLP
 
 
 def sync(device: torch.device) -> None:
@@ -147,8 +146,7 @@ def main() -> None:
         help="more plain engines, timed beside the default one: 'cublas' (every product on cuBLAS, "
         "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
         "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
-        "dependent launch, thinkspec_nopdl), 'noglu' (SiLU(gate) * up in its own launch, not in the down "
-        "projection's, thinkspec_noglu); comma-separated",
+        "dependent launch, thinkspec_nopdl); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -199,7 +197,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu")
+        allowed = ("cublas", "attn64", "combine", "nopdl")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -223,8 +221,6 @@ def main() -> None:
             for m in other.llm_engine.model.modules():
                 if variant == "cublas" and isinstance(m, Linear):
                     m.skinny_gemm = False
-                if variant == "noglu" and isinstance(m, DecoderMLP):
-                    m.glu_in_down = False
                 if backend is not None and isinstance(m, Attention):
                     m.backend = backend
             plain.append((f"thinkspec_{variant}", other, True))

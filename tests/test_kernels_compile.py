@@ -176,16 +176,15 @@ def test_paged_attention_128_key_tiles_compile(splits, block_q):
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
-@pytest.mark.parametrize(("pdl", "glu"), [(False, False), (True, True)])
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("k", [4096, 12288, 1000])
-def test_gemv_compiles_without_spills(rows, k, pdl, glu):
-    # glu: the down projection's input prologue (SiLU(gate) * up)
+def test_gemv_compiles_without_spills(rows, k, pdl):
     # the engine's launch shapes (gemv_config) at Qwen3-8B / 0.6B widths; 1000: the masked-K path
     block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k)
     constexprs = {
         "HAS_BIAS": rows == 2, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
-        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "GLU": glu, "PDL": pdl,
+        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "PDL": pdl,
     }  # fmt: skip
     ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
     kernel = compile_sm90(gt._gemv_kernel, ptrs, constexprs, warps, num_stages=stages)
@@ -215,8 +214,7 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     for split_out in {False, split > 1}:
         constexprs = {
             "HAS_BIAS": not split_out, "SPLIT": split_out, "BLOCK_M": max(16, triton.next_power_of_2(rows)),
-            "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "GLU": False,
-            "PDL": pdl,
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "PDL": pdl,
         }  # fmt: skip
         ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
         ptrs["y_ptr"] = "fp32" if split_out else "bf16"
@@ -229,26 +227,6 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     ptrs = {"part_ptr": "fp32", "b_ptr": "bf16", "y_ptr": "bf16"}
     constexprs = {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024, "PDL": pdl}
     compile_sm90(gs._split_k_sum_kernel, ptrs, constexprs, 4)
-
-
-@pytest.mark.parametrize("rows", [16, 32, 64])
-def test_skinny_gemm_glu_compiles_pipelined_without_spills(rows):
-    # the down projection (4096 x 12288) with SiLU(gate) * up in its input prologue, at the table's
-    # launch config for these rows: weight tiles still stream through cp.async stages, no spills
-    n, k = 4096, 12288
-    block_n, block_k, split, warps, stages = gs.skinny_gemm_config(rows, n, k)
-    constexprs = {
-        "HAS_BIAS": False, "SPLIT": split > 1, "BLOCK_M": max(16, triton.next_power_of_2(rows)),
-        "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "GLU": True, "PDL": True,
-    }  # fmt: skip
-    ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
-    ptrs["y_ptr"] = "fp32" if split > 1 else "bf16"
-    aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
-    kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
-    usage = resource_usage(kernel.asm["cubin"])
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-    assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the weight loads are not pipelined"
-    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

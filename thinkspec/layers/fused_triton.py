@@ -326,15 +326,6 @@ def qk_norm_rope(
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """SiLU(gate) * up for two tiles of the model dtype, rounded where `F.silu(gate) * up` rounds;
-    also the input prologue of the down projection's GEMV / skinny GEMM (gemv_triton.load_input)."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded to the model dtype
-    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2*I]: gate then up, last dim contiguous
     stride_x,
@@ -350,7 +341,9 @@ def _silu_and_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    out = silu_mul(gate, up)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded to the model dtype
+    out = act.to(tl.float32) * up.to(tl.float32)
     release_next(PDL)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

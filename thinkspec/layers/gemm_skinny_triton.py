@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.gemv_triton import load_input, product_operands
+from thinkspec.layers.gemv_triton import product_operands
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
@@ -90,7 +90,7 @@ def skinny_gemm_config(num_rows: int, n: int, k: int) -> Config:
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr,  # [M, K], or [M, 2K] gate then up (GLU); last dim contiguous
+    x_ptr,  # [M, K], last dim contiguous
     stride_x,
     w_ptr,  # [N, K], last dim contiguous
     stride_w,
@@ -109,7 +109,6 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
     DOT_F32: tl.constexpr,  # widen the operands first (exact): the CPU interpreter's bf16 dot is wrong
-    GLU: tl.constexpr,  # the input is SiLU(gate) * up of x's two halves
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -130,12 +129,12 @@ def _skinny_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_base + k0, eviction_policy="evict_first")
-            x = load_input(x_base + k0, K, None, False, GLU)
+            x = tl.load(x_base + k0)
         else:
             # masked on both sides: out-of-range x could be inf/NaN, and inf * 0 is NaN
             k_ok = (k0 + ks) < k_end
             w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = load_input(x_base + k0, K, k_ok[None, :], True, GLU)
+            x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
         if DOT_F32:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -184,22 +183,19 @@ def skinny_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: Config | None = None,
-    glu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS; bf16 or fp16), weight [N, K] (x's dtype), bias [N] or None -> [M, N]
     in x's dtype.
 
-    glu: x is [M, 2K], a merged gate_up output, and the product takes SiLU(gate) * up (one launch
-    instead of silu_and_mul's and this one). config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
-    num_stages), default skinny_gemm_config."""
+    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(
             f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
         )
-    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS, glu)
+    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS)
     if done:
         return y
-    m, (n, k) = x.shape[0], weight.shape
+    (m, k), n = x.shape, weight.shape[0]
     block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k)
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))
@@ -210,7 +206,7 @@ def skinny_gemm(
     pdl = launch_args(x.device)
     meta = dict(
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_F32=x.device.type == "cpu", GLU=glu, num_warps=warps, num_stages=stages, **pdl,
+        DOT_F32=x.device.type == "cpu", num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     if split == 1:
         _skinny_gemm_kernel[grid](

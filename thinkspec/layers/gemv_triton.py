@@ -23,32 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.fused_triton import silu_mul
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 
 
 @triton.jit
-def load_input(ptrs, half, mask, MASKED: tl.constexpr, GLU: tl.constexpr):
-    """A tile of a product's input: x at ptrs, or with GLU SiLU(gate) * up of the merged gate_up
-    output, the gate at ptrs and up `half` columns on (what silu_and_mul would have stored there)."""
-    if MASKED:
-        a = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        a = tl.load(ptrs)
-    if GLU:
-        if MASKED:
-            up = tl.load(ptrs + half, mask=mask, other=0.0)
-        else:
-            up = tl.load(ptrs + half)
-        a = silu_mul(a, up)
-    return a
-
-
-@triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K], or [M, 2K] gate then up (GLU); last dim contiguous
+    x_ptr,  # [M, K], last dim contiguous
     stride_x,
     w_ptr,  # [N, K], last dim contiguous
     stride_w,
@@ -63,7 +45,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
-    GLU: tl.constexpr,  # the input is SiLU(gate) * up of x's two halves
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -79,13 +60,13 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_base + k0, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
-            x = load_input(x_base + k0, K, row_ok[:, None], True, GLU)
+            x = tl.load(x_base + k0, mask=row_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + ks) < K
             w = tl.load(
                 w_base + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
             )
-            x = load_input(x_base + k0, K, row_ok[:, None] & k_ok[None, :], True, GLU)
+            x = tl.load(x_base + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     release_next(PDL)
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
@@ -108,21 +89,19 @@ def gemv_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 def product_operands(
     name: str,
-    x: torch.Tensor,  # [M, K], or [M, 2K] with glu
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None,  # [N] or None
     max_rows: int,
-    glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(x, weight with contiguous last dims, y [M, N] in x's dtype, done): the checks and the empty
     cases a skinny product kernel shares; done is True when y already holds the result (no rows, no
     columns, or K = 0). ValueError for shapes the kernel does not take."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if m > max_rows or x.dim() != 2 or x.shape[1] != (2 * k if glu else k):
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > max_rows or weight.shape[1] != k:
         shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
-        want = "[M <= {0}, 2K] (gate, up) x [N, K]" if glu else "[M <= {0}, K] x [N, K]"
-        raise ValueError(f"{name} takes {want.format(max_rows)}, got {shapes}")
+        raise ValueError(f"{name} takes [M <= {max_rows}, K] x [N, K], got {shapes}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -141,23 +120,19 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
-    glu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
 
-    glu: x is [M, 2K], a merged gate_up output, and the product takes SiLU(gate) * up (one launch
-    instead of silu_and_mul's and this one). config: (BLOCK_N, BLOCK_K, num_warps, num_stages),
-    default gemv_config (benchmarks pass others)."""
-    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS, glu)
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
+    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS)
     if done:
         return y
-    m, (n, k) = x.shape[0], weight.shape
+    (m, k), n = x.shape, weight.shape[0]
     block_n, block_k, warps, stages = config or gemv_config(m, n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
         m, n, k,
         HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, GLU=glu, num_warps=warps, num_stages=stages,
-        **launch_args(x.device),
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **launch_args(x.device),
     )  # fmt: skip
     return y

@@ -7,9 +7,6 @@ larger weights (gate/up, lm_head) it reaches it (benchmarks/bench_gemv.py, docs/
 With `skinny_gemm` on as well, products of 3..64 rows go to the Triton tensor-core GEMM of
 gemm_skinny_triton.py, but only for the (rows bucket, N, K) that its SKINNY_GEMM_TABLE lists (the
 shapes where bench_skinny_gemm measured it faster than cuBLAS); everything else stays on F.linear.
-`glu=True` takes the merged gate_up output and multiplies SiLU(gate) * up: inside the GEMV's or
-skinny GEMM's launch when the product goes there (one launch less per layer), else through
-fused_triton.silu_and_mul first.
 `MergedLinear` runs several projections sharing one input as a single matmul: checkpoints store
 them separately (q_proj/k_proj/v_proj, gate_proj/up_proj); the loader copies each one into its
 row range with `load_shard`.
@@ -41,27 +38,22 @@ class Linear(nn.Linear):
         `shard` in a merged layer) that this layer holds; None = all of it."""
         return None
 
-    def forward(self, x: torch.Tensor, glu: bool = False) -> torch.Tensor:
-        # x: [..., in] (glu: [..., 2 * in], gate then up) -> [..., out]
-        return self.product(x, self.bias, glu)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        return self.product(x, self.bias)
 
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> torch.Tensor:
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [..., in] -> x @ weight.T + bias [..., out]
-        # glu: x [..., 2 * in] (gate, up) -> SiLU(gate) * up @ weight.T + bias [..., out]
         skinny = x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
         if self.gemv and skinny and self.weight.numel() <= GEMV_MAX_WEIGHT:
             from thinkspec.layers.gemv_triton import gemv
 
-            return gemv(x, self.weight, bias, glu=glu)
+            return gemv(x, self.weight, bias)
         if self.skinny_gemm and x.dim() == 2 and x.dtype in _HALF and x.dtype == self.weight.dtype:
             from thinkspec.layers import gemm_skinny_triton as gs
 
             if gs.skinny_gemm_wins(x.shape[0], self.out_features, self.in_features):
-                return gs.skinny_gemm(x, self.weight, bias, glu=glu)
-        if glu:
-            from thinkspec.layers.fused_triton import silu_and_mul
-
-            x = silu_and_mul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+                return gs.skinny_gemm(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -95,11 +87,11 @@ class RowParallelLinear(Linear):
             return None
         return 1, self.tp.rank * self.in_features, self.in_features
 
-    def forward(self, x: torch.Tensor, glu: bool = False) -> torch.Tensor:
-        # x: [..., in / size] (glu: [..., 2 * in / size], gate then up) -> [..., out], identical on every rank
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in / size] -> [..., out], identical on every rank
         if self.tp.size == 1:
-            return self.product(x, self.bias, glu)
-        y = all_reduce(self.product(x, None, glu))  # the partial products carry no bias
+            return self.product(x, self.bias)
+        y = all_reduce(self.product(x, None))  # the partial products carry no bias
         return y if self.bias is None else y + self.bias
 
 

@@ -115,14 +115,11 @@ class DecoderMLP(nn.Module):
             cfg.hidden_size, {"gate": size, "up": size}, bias=bias, shard_starts=starts
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
-        self.fused = False  # True: SiLU(gate) * up in Triton
-        self.glu_in_down = True  # with fused: inside the down projection's GEMV / skinny GEMM where it can
+        self.fused = False  # True: SiLU(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.fused and self.glu_in_down:
-            return self.down_proj(gate_up, glu=True)
         if self.fused:
             from thinkspec.layers.fused_triton import silu_and_mul
 
