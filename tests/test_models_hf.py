@@ -41,6 +41,21 @@ def test_prefill_logits_match_hf(arch: str, tied: bool) -> None:
     assert ref.std(dim=-1).min() > 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compute_logits_into_a_buffer(dtype: torch.dtype) -> None:
+    # CUDA graphs have compute_logits write into their static float32 buffer: the same values as a
+    # new tensor, every row of the given view written, nothing around it
+    model, _ = load_model(tiny_checkpoint("qwen3", tied=False), dtype=dtype)
+    hidden = torch.randn(5, model.config.hidden_size).to(dtype)
+    want = model.compute_logits(hidden)
+    assert want.dtype == torch.float32
+    buf = torch.full((8, model.config.vocab_size), float("nan"))
+    got = model.compute_logits(hidden, out=buf[1:6])
+    assert got.data_ptr() == buf[1:6].data_ptr()
+    assert torch.equal(buf[1:6], want)
+    assert buf[0].isnan().all() and buf[6:].isnan().all()
+
+
 def test_llama3_rope_scaling_beyond_original_context() -> None:
     path = tiny_checkpoint("llama", tied=False, rope_scaling=LLAMA3_ROPE)
     plain = tiny_checkpoint("llama", tied=False)
