@@ -8,13 +8,17 @@ sequences at the same context length:
   round_ms          Speculator.step for the whole batch (propose + verify + accept, one host copy)
   draft_step_ms     one single-token draft forward over the batch
   verify_ms         one target forward scoring k+1 positions per sequence
+  *_back_to_back_ms the same three forwards called --reps times in a row with one sync at the end, per
+                    call: the host prepares a call while the device runs the one before, as in a
+                    round, so this is the device's time when the host keeps up (the figures above
+                    also hold the host's preparation and the wait for the result)
   parts_ms          k * draft_step_ms + verify_ms
   decode_ms         one plain single-token target forward (no speculation), for reference
   ratio             round_ms / parts_ms (the overhead of the round's own bookkeeping)
   tokens_per_round  mean tokens emitted per sequence per round
   floors            the verify's bound, max(weight read at HBM_BYTES_PER_S, its matmul FLOPs at
                     BF16_FLOPS), and the plain step's weight-read floor
-With --kernel-profile (CUDA) the verify and the plain step are also replayed once under
+With --kernel-profile (CUDA) the verify, the plain step and a draft step are also replayed once under
 torch.profiler, and their device time is split into GEMM, attention and other kernels, with the
 ten costliest kernels.
 Writes JSON (--out) and prints a table last.
@@ -142,6 +146,17 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
+def back_to_back(fn, device: torch.device, reps: int) -> float:
+    """Milliseconds per call of fn() over reps calls in a row (after one warm-up), one sync at the end."""
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
 def commit(scheduler: Scheduler, sched: SchedulerOutput, outcomes: list[StepOutcome]) -> int:
     """Apply a step's outcomes as the engine does; returns the tokens emitted."""
     for seq, outcome in zip(sched.seqs, outcomes):
@@ -202,29 +217,17 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
     # The parts, at the context the rounds reached; they write only slots past the committed tokens.
     target_runner, draft_runner = runners
     starts = [s.num_tokens - 1 for s in seqs]
-    one = [[0]] * batch
-    draft_ms = timed(
-        lambda: draft_runner.execute_model(seqs, [1] * batch, [1] * batch, one, start_positions=starts),
-        device, args.reps,
-    )  # fmt: skip
-    verify_ms = timed(
-        lambda: target_runner.execute_model(
-            seqs, [k + 1] * batch, [k + 1] * batch, [[0] * (k + 1)] * batch, start_positions=starts
-        ),
-        device, args.reps,
-    )  # fmt: skip
-    decode_ms = timed(
-        lambda: target_runner.execute_model(seqs, [1] * batch, [1] * batch, one, start_positions=starts),
-        device, args.reps,
-    )  # fmt: skip
+    ones, one, window, wide = [1] * batch, [[0]] * batch, [k + 1] * batch, [[0] * (k + 1)] * batch
+    parts = {
+        "draft": lambda: draft_runner.execute_model(seqs, ones, ones, one, start_positions=starts),
+        "verify": lambda: target_runner.execute_model(seqs, window, window, wide, start_positions=starts),
+        "decode": lambda: target_runner.execute_model(seqs, ones, ones, one, start_positions=starts),
+    }
+    draft_ms, verify_ms, decode_ms = (timed(parts[p], device, args.reps) for p in parts)
+    in_a_row = {f"{p}_back_to_back_ms": back_to_back(fn, device, args.reps) for p, fn in parts.items()}
     profile = {}
     if getattr(args, "kernel_profile", False) and device.type == "cuda":  # other callers pass no such flag
-        profile = {
-            "verify_kernels": kernel_breakdown(lambda: target_runner.execute_model(
-                seqs, [k + 1] * batch, [k + 1] * batch, [[0] * (k + 1)] * batch, start_positions=starts)),
-            "decode_kernels": kernel_breakdown(lambda: target_runner.execute_model(
-                seqs, [1] * batch, [1] * batch, one, start_positions=starts)),
-        }  # fmt: skip
+        profile = {f"{p}_kernels": kernel_breakdown(fn) for p, fn in parts.items()}
     round_ms = statistics.median(round_times)
     parts_ms = k * draft_ms + verify_ms
     tokens_per_round = emitted / (args.rounds * batch)
@@ -244,6 +247,7 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         "verify_ms": verify_ms,
         "parts_ms": parts_ms,
         "decode_ms": decode_ms,
+        **in_a_row,
         "ratio": round_ms / parts_ms,
         "tokens_per_round": tokens_per_round,
         "spec_tok_per_s": batch * tokens_per_round / round_ms * 1e3,
@@ -317,7 +321,11 @@ def main() -> None:
               f"{r['verify_ms'] / r['verify_floor_ms']:>12.2f} "
               f"{r['decode_ms'] / r['decode_floor_ms']:>11.2f}")  # fmt: skip
     for r in rows:
-        for part in ("verify_kernels", "decode_kernels"):
+        print(f"batch {r['batch']} back to back (ms per call): draft {r['draft_back_to_back_ms']:.2f}, "
+              f"verify {r['verify_back_to_back_ms']:.2f}, "
+              f"plain {r['decode_back_to_back_ms']:.2f}")  # fmt: skip
+    for r in rows:
+        for part in ("draft_kernels", "verify_kernels", "decode_kernels"):
             if part in r:
                 groups = ", ".join(f"{g} {us / 1e3:.2f}" for g, us in r[part]["groups_us"].items())
                 print(f"batch {r['batch']} {part}: {r[part]['device_us'] / 1e3:.2f} ms device ({groups})")
