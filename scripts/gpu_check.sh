@@ -7,7 +7,8 @@
 #   tests       pytest -m gpu (model/engine/spec-decode equality on CUDA, acceptance kernels); TEST_PATHS
 #   acceptance  fused acceptance kernels vs seed-style torch, torch amax and the HBM floor
 #   spec_round  one speculative round vs k draft steps + one verify (Qwen3-8B / 0.6B shapes), against the
-#               floors, with the verify and plain step split by kernel (SPEC_ROUND_ARGS, default --kernel-profile)
+#               floors, each part also timed back to back, and the draft step, verify and plain step split
+#               by kernel (SPEC_ROUND_ARGS, default --kernel-profile)
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
 #   projection  the projection of a sweep's cells (PROJECTION_SWEEP, PROJECTION_CELLS) against the engine
