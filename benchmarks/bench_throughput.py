@@ -207,8 +207,7 @@ def main() -> None:
         weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
-        # PDL settings are process-wide and read at launch: each engine runs (and captures) under its own
-        launch = {"": pdl.ENABLED, "nopdl": False}
+        use_pdl = pdl.ENABLED  # process-wide and read at launch: set before each engine runs (and captures)
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
             other = LLM(tdir, **common)
@@ -230,7 +229,7 @@ def main() -> None:
             reps: dict[str, list[tuple[float, dict]]] = {name: [] for name, _, _ in plain}
             for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
                 for name, engine, overlap in plain:
-                    pdl.ENABLED = launch.get(name.removeprefix("thinkspec_"), launch[""])
+                    pdl.ENABLED = use_pdl and name != "thinkspec_nopdl"
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
             for name, times in reps.items():
@@ -240,7 +239,7 @@ def main() -> None:
                 record(
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
-        pdl.ENABLED = launch[""]
+        pdl.ENABLED = use_pdl
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
