@@ -204,14 +204,19 @@ class Speculator:
 
     # ---- per-request settings ------------------------------------------------------------------
 
+    def relax_enabled(self, seq: Sequence) -> bool:
+        """Whether this request relaxes its thinking phase: its override, else the config."""
+        override = seq.sampling_params.relaxed_thinking
+        return bool(self.config.relaxed_thinking if override is None else override)
+
     def relax_settings(self, seq: Sequence) -> tuple[bool, float, int, float]:
         """(enabled, ratio, top_k, delta or NaN) for one request: its overrides, else the config."""
         p, c = seq.sampling_params, self.config
-        enabled = c.relaxed_thinking if p.relaxed_thinking is None else p.relaxed_thinking
+        enabled = self.relax_enabled(seq)
         ratio = c.relax_ratio if p.relax_ratio is None else p.relax_ratio
         top_k = c.relax_top_k if p.relax_top_k is None else p.relax_top_k
         delta = c.relax_delta if p.relax_delta is None else p.relax_delta
-        return bool(enabled), float(ratio), int(top_k), math.nan if delta is None else float(delta)
+        return enabled, float(ratio), int(top_k), math.nan if delta is None else float(delta)
 
     def _cost_model(self) -> StepCostModel:
         """Measured from the graphs where the target replays them, the default model elsewhere."""
@@ -386,13 +391,12 @@ class Speculator:
         row). Runs before every step, plain ones included: per row only a few attribute reads
         unless its group drafts."""
         assert self.draft_length is not None
-        tracked, default = self.tracker is not None, self.config.relaxed_thinking
+        tracked = self.tracker is not None
         thinking, groups, counts = [], [], [0] * len(GROUPS)
         for i in decodes:
             seq = seqs[i]
             t = self.is_thinking(seq)
-            override = seq.sampling_params.relaxed_thinking  # relax_settings' first field, inlined
-            g = group_of(t, tracked and t and bool(default if override is None else override))
+            g = group_of(t, tracked and t and self.relax_enabled(seq))
             thinking.append(t)
             groups.append(g)
             counts[g] += 1
