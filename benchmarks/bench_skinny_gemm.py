@@ -17,6 +17,7 @@ projection (what the dispatch table gives).
 
     python benchmarks/bench_skinny_gemm.py --out skinny.json
     python benchmarks/bench_skinny_gemm.py --table-from skinny.json   # entries for SKINNY_GEMM_TABLE
+    python benchmarks/bench_skinny_gemm.py --glu --out glu.json       # gate_up + SiLU: SKINNY_GLU_TABLE
     TRITON_INTERPRET=1 python benchmarks/bench_skinny_gemm.py --small   # CPU smoke (tiny shapes)
 """
 
@@ -44,37 +45,49 @@ SHAPES = [
 ]  # fmt: skip
 SMALL_SHAPES = [("qkv", 96, 128, 2), ("o", 64, 128, 2), ("gate_up", 160, 128, 2), ("down", 64, 256, 2),
                 ("lm_head", 300, 128, 1)]  # fmt: skip
+# --glu: gate_up with SiLU(gate) * up fused (N = the outputs, from 2N weight rows), against cuBLAS's
+# gate_up product followed by the silu_and_mul launch
+GLU_SHAPES = [("gate_up_silu", 12288, 4096, 36)]
+SMALL_GLU_SHAPES = [("gate_up_silu", 80, 128, 2)]
 NUM_SMS = 132
 IN_FLIGHT = 64 * 1024  # bytes of weight tiles in flight per program that round 1 aims for
 
 
-def fits(m: int, cfg: Config, smem_bytes: int) -> bool:
-    # shared memory of num_stages buffers of a W tile and an x tile (rows padded to >= 16)
+def fits(m: int, cfg: Config, smem_bytes: int, glu: bool = False) -> bool:
+    # shared memory of num_stages buffers of a W tile (glu: two) and an x tile (rows padded to >= 16)
     block_n, block_k, _, _, stages = cfg
-    return stages * (block_n + max(16, triton.next_power_of_2(m))) * block_k * 2 <= smem_bytes
+    w_rows = (2 if glu else 1) * block_n
+    return stages * (w_rows + max(16, triton.next_power_of_2(m))) * block_k * 2 <= smem_bytes
 
 
-def round_one(m: int, n: int, k: int, grid: dict[str, list[int]], smem_bytes: int) -> list[Config]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K) shapes at 4 warps and the stages nearest IN_FLIGHT."""
+def round_one(
+    m: int, n: int, k: int, grid: dict[str, list[int]], smem_bytes: int, glu: bool = False
+) -> list[Config]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K) shapes at 4 warps and the stages nearest IN_FLIGHT (glu: no split)."""
     out = []
     for bn, bk, split in itertools.product(grid["block_n"], grid["block_k"], grid["split"]):
+        if glu and split > 1:
+            continue
         programs = triton.cdiv(n, bn)
         if split > 1 and (programs * (split // 2) >= 2 * NUM_SMS or k // (split * bk) < 4):
             continue  # the SMs already have work without this split, or slices too short to pipeline
-        by_window = sorted(grid["stages"], key=lambda s: abs((s - 1) * bn * bk * 2 - IN_FLIGHT))
-        stages = next((s for s in by_window if fits(m, (bn, bk, split, 4, s), smem_bytes)), None)
+        tile = (2 if glu else 1) * bn * bk * 2
+        by_window = sorted(grid["stages"], key=lambda s: abs((s - 1) * tile - IN_FLIGHT))
+        stages = next((s for s in by_window if fits(m, (bn, bk, split, 4, s), smem_bytes, glu)), None)
         if stages is not None:
             out.append((bn, bk, split, 4, stages))
     return out
 
 
-def round_two(m: int, best: list[Config], grid: dict[str, list[int]], smem_bytes: int) -> list[Config]:
+def round_two(
+    m: int, best: list[Config], grid: dict[str, list[int]], smem_bytes: int, glu: bool = False
+) -> list[Config]:
     """Every (warps, stages) of the grid for the given shapes; 8 warps only for tiles of >= 16K elements."""
     out = []
     for bn, bk, split, _, _ in best:
         for warps, stages in itertools.product(grid["warps"], grid["stages"]):
             cfg = (bn, bk, split, warps, stages)
-            if (warps <= 4 or bn * bk >= 128 * 128) and fits(m, cfg, smem_bytes):
+            if (warps <= 4 or bn * bk >= 128 * 128) and fits(m, cfg, smem_bytes, glu):
                 out.append(cfg)
     return out
 
@@ -100,12 +113,21 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 def bench_cell(name, n, k, m, ws, timer, grid, args) -> dict:
+    # ws: the layers' weights [N, K] (--glu: [2N, K], gate rows then up rows)
     dev = ws[0].device
-    layers = len(ws)
+    layers, glu = len(ws), args.glu
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     ref = F.linear(x.float(), ws[0].float())
-    floor_us = n * k * 2 / args.bandwidth * 1e6
-    cublas = timer(lambda: [F.linear(x, w) for w in ws]) / layers
+    if glu:
+        gate, up = ref.bfloat16().chunk(2, dim=-1)
+        ref = (F.silu(gate) * up).float()
+    floor_us = ws[0].numel() * 2 / args.bandwidth * 1e6
+    if glu:
+        from thinkspec.layers.fused_triton import silu_and_mul
+
+        cublas = timer(lambda: [silu_and_mul(F.linear(x, w)) for w in ws]) / layers
+    else:
+        cublas = timer(lambda: [F.linear(x, w) for w in ws]) / layers
     row = dict(shape=name, n=n, k=k, rows=m, floor_us=floor_us, cublas_us=cublas, triton={}, skipped={})
 
     def run(cfgs: list[Config]) -> None:
@@ -114,15 +136,17 @@ def bench_cell(name, n, k, m, ws, timer, grid, args) -> dict:
             if key in row["triton"] or key in row["skipped"]:
                 continue
             try:
-                check(skinny_gemm(x, ws[0], config=cfg), ref, f"{name} rows {m} config {cfg}")
+                check(skinny_gemm(x, ws[0], config=cfg, glu=glu), ref, f"{name} rows {m} config {cfg}")
             except triton.runtime.errors.OutOfResources as exc:  # the estimate in fits() missed
                 row["skipped"][key] = str(exc)
                 continue
-            row["triton"][key] = timer(lambda cfg=cfg: [skinny_gemm(x, w, config=cfg) for w in ws]) / layers
+            us = timer(lambda cfg=cfg: [skinny_gemm(x, w, config=cfg, glu=glu) for w in ws])
+            row["triton"][key] = us / layers
 
-    run(round_one(m, n, k, grid, args.smem_kib * 1024))
+    smem = args.smem_kib * 1024
+    run(round_one(m, n, k, grid, smem, glu))
     best = sorted(row["triton"], key=row["triton"].get)[: args.refine]
-    run(round_two(m, [tuple(int(v) for v in key.split(",")) for key in best], grid, args.smem_kib * 1024))
+    run(round_two(m, [tuple(int(v) for v in key.split(",")) for key in best], grid, smem, glu))
     key = min(row["triton"], key=row["triton"].get)
     row.update(best=key, best_us=row["triton"][key])
     print(f"{name:<8} rows {m:>2}  floor {floor_us:7.1f}  cublas {cublas:7.1f} ({cublas / floor_us:.2f}x)  "
@@ -171,7 +195,8 @@ def print_table(path: str, min_gain: float) -> None:
     print(
         f"# from {Path(path).name} ({result.get('device', '?')}), cells >= {min_gain:.0%} faster than cuBLAS"
     )
-    print("SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {")
+    table = "SKINNY_GLU_TABLE" if result.get("glu") else "SKINNY_GEMM_TABLE"
+    print(f"{table}: dict[tuple[int, int, int], Config] = {{")
     for key, cfg in sorted(table_entries(result, min_gain).items()):
         r = by_key[key]
         print(f"    {key}: {cfg},  # {r['shape']}: {r['best_us']:.1f} vs cuBLAS {r['cublas_us']:.1f} us")
@@ -194,6 +219,9 @@ def main() -> None:
     ap.add_argument(
         "--small", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1): a smoke run"
     )
+    ap.add_argument(
+        "--glu", action="store_true", help="gate_up with SiLU(gate) * up fused, vs cuBLAS + silu_and_mul"
+    )
     ap.add_argument("--table-from", default=None, help="print SKINNY_GEMM_TABLE entries from a result JSON")
     ap.add_argument("--min-gain", type=float, default=0.03, help="--table-from: least gain over cuBLAS")
     args = ap.parse_args()
@@ -205,27 +233,31 @@ def main() -> None:
     if args.small:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--small runs the kernels on CPU: set TRITON_INTERPRET=1")
-        dev, shapes = torch.device("cpu"), SMALL_SHAPES
+        dev, shapes = torch.device("cpu"), SMALL_GLU_SHAPES if args.glu else SMALL_SHAPES
         grid.update(block_k=[b for b in grid["block_k"] if b <= 128])
     else:
-        dev, shapes = torch.device("cuda"), SHAPES
-    wanted = set(args.shapes.split(","))
-    shapes = [s for s in shapes if s[0] in wanted]
+        dev, shapes = torch.device("cuda"), GLU_SHAPES if args.glu else SHAPES
+    if not args.glu:
+        wanted = set(args.shapes.split(","))
+        shapes = [s for s in shapes if s[0] in wanted]
     timer = make_timer(dev)
     start = time.perf_counter()
     rows_out = []
     for name, n, k, layers in shapes:
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        rows_w = 2 * n if args.glu else n
+        ws = [torch.randn(rows_w, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         for m in ints(args.rows):
             rows_out.append(bench_cell(name, n, k, m, ws, timer, grid, args))
         ws.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    totals = step_totals(rows_out, shapes, [m for m in ints(args.rows) if m in (16, 64)], args.bandwidth)
+    totals = [] if args.glu else step_totals(rows_out, shapes, [m for m in ints(args.rows) if m in (16, 64)],
+                                             args.bandwidth)  # fmt: skip
     print(f"{time.perf_counter() - start:.0f} s")
     if args.out:
         device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
-        result = dict(device=device, bandwidth=args.bandwidth, grid=grid, rows=rows_out, step_totals=totals)
+        result = dict(device=device, bandwidth=args.bandwidth, grid=grid, glu=args.glu, rows=rows_out,
+                      step_totals=totals)  # fmt: skip
         result["table"] = [dict(rows=key[0], n=key[1], k=key[2], config=cfg)
                            for key, cfg in table_entries(result, args.min_gain).items()]  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -27,7 +27,7 @@ from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, wr
 from thinkspec import LLM, SamplingParams
 from thinkspec.layers import pdl
 from thinkspec.layers.attention import Attention
-from thinkspec.layers.linear import Linear
+from thinkspec.layers.linear import Linear, MergedLinear
 
 
 def sync(device: torch.device) -> None:
@@ -146,7 +146,8 @@ def main() -> None:
         help="more plain engines, timed beside the default one: 'cublas' (every product on cuBLAS, "
         "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
         "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
-        "dependent launch, thinkspec_nopdl); comma-separated",
+        "dependent launch, thinkspec_nopdl), 'noglu' (gate_up product and SiLU * up as two launches, "
+        "thinkspec_noglu); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -197,7 +198,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -220,6 +221,8 @@ def main() -> None:
             for m in other.llm_engine.model.modules():
                 if variant == "cublas" and isinstance(m, Linear):
                     m.skinny_gemm = False
+                if variant == "noglu" and isinstance(m, MergedLinear):
+                    m.fuse_silu = False
                 if backend is not None and isinstance(m, Attention):
                     m.backend = backend
             plain.append((f"thinkspec_{variant}", other, True))

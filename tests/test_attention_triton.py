@@ -141,6 +141,35 @@ def test_interp_fused_merge_equals_combine_launch(splits):
 
 
 @interp
+def test_interp_splits_follow_each_query_tiles_length():
+    # With the fused merge each query tile uses one split per tile of its own keys, up to the grid's S:
+    # a tile of keys that fits one tile is written by its one program, bit for bit the unsplit launch's
+    # rows; longer ones give the combine launch's rows (the same chunks, without the empty splits); the
+    # idle split programs leave no counter behind.
+    spec = [(100, 1), (0, 5), (37, 3), (10, 2), (64, 2), (40, 12)]  # 7, 1, 3, 1, 5 tiles; 2 query tiles
+    q, k, v, k_cache, v_cache, meta, full = make_case(spec, 4, 2, 16, 16, 40, seed=3, pad=2)
+    dyn = TritonAttentionBackend(block_n=16, num_splits=4)
+    out = dyn.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    _check_case(spec, out, q, full, 0.25, k_cache, v_cache, 1e-5)
+    unsplit = TritonAttentionBackend(block_n=16, num_splits=1).forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    split = TritonAttentionBackend(block_n=16, num_splits=4, fused_combine=False).forward(
+        q, k, v, k_cache, v_cache, meta, 0.25, kv_stored=True
+    )
+    block_q, start, kinds = 8, 0, set()  # 8 queries per tile: 16 rows / GROUP_PAD 2
+    for cached, qlen in spec:
+        for tile_start in range(0, qlen, block_q):
+            rows = slice(start + tile_start, start + min(qlen, tile_start + block_q))
+            tiles = -(-min(cached + qlen, cached + tile_start + block_q) // 16)
+            kinds.add(tiles == 1)
+            want = unsplit if tiles == 1 else split
+            assert torch.equal(out[rows], want[rows]), (cached, qlen, tile_start)
+        start += qlen
+    assert kinds == {True, False}
+    assert not dyn._counters[0].any()
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+
+
+@interp
 def test_interp_max_splits_with_empty_splits():
     # 64 splits over at most 7 tiles: most splits are empty and must weigh nothing
     spec = [(100, 1), (0, 5), (37, 3)]
@@ -346,13 +375,18 @@ def test_gpu_matches_torch_backend(batch, max_ctx, qlen):
 
 
 @gpu
-@pytest.mark.parametrize(("batch", "qlen", "splits"), [(1, 1, None), (16, 1, None), (16, 5, 8), (4, 5, 32)])
-def test_gpu_fused_merge_is_race_free(batch, qlen, splits):
+@pytest.mark.parametrize(
+    ("batch", "qlen", "splits", "max_ctx"),
+    [(1, 1, None, 3000), (16, 1, None, 3000), (16, 5, 8, 3000), (4, 5, 32, 3000), (16, 1, None, 600),
+     (16, 5, 8, 600)],
+)  # fmt: skip
+def test_gpu_fused_merge_is_race_free(batch, qlen, splits, max_ctx):
     # The in-kernel merge (the last split program of each sequence, query tile and KV head reads the
     # others' partials) against the separate combine launch, over many launches of one CUDA graph:
     # every replay gives the same rows, close to the combine launch's, and the counters end at zero.
-    g = torch.Generator().manual_seed(batch + qlen)
-    ctx = torch.randint(1, 3000, (batch,), generator=g).tolist()
+    # max_ctx 600: sequences of one to a few key tiles (one tile: written without the merge).
+    g = torch.Generator().manual_seed(batch + qlen + max_ctx)
+    ctx = torch.randint(1, max_ctx, (batch,), generator=g).tolist()
     q, k, v, k_cache, v_cache, meta = _gpu_case(batch, ctx, qlen, seed=batch * 3 + qlen)
     meta.max_seq_len = 40960  # as the engine's graphs set it (max_model_len): the shape's own splits
     launch = TritonAttentionBackend(num_splits=splits, fused_combine=False)

@@ -207,6 +207,73 @@ def test_interp_benchmark_smoke(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("(32, 64, 1, 4, 3)") == 5, proc.stdout
 
 
+@interp
+@pytest.mark.parametrize("m", [3, 16, 17])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [SMALL, SPLIT2], ids=["split1", "split2"])
+def test_interp_glu_is_the_product_then_silu_and_mul(m, n, k, bias, config):
+    from thinkspec.layers.fused_triton import silu_and_mul
+
+    x, w, b = _operands(m, 2 * n, k, bias)
+    w = w * 3  # gates across SiLU's bend
+    fused = skinny_gemm(x, w, b, config=config, glu=True)
+    assert fused.shape == (m, n) and fused.dtype == x.dtype
+    # never split (SiLU needs whole sums): the same bits as the unsplit product, then silu_and_mul
+    unsplit = config[:2] + (1,) + config[3:]
+    assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w, b, config=unsplit)))
+    gate, up = F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype).chunk(2, -1)
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
+@interp
+def test_interp_writes_into_a_float32_out():
+    x, w, _ = _operands(16, 70, 200, False)
+    out = torch.full((16, 70), float("nan"))
+    for config in (SMALL, SPLIT2):
+        assert skinny_gemm(x, w, config=config, out=out) is out
+        # the float32 sums themselves, not rounded to bf16
+        torch.testing.assert_close(out, _reference(x, w, None), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(out, out.bfloat16().float())
+    with pytest.raises(ValueError, match="N even"):
+        skinny_gemm(x, w[:69], glu=True)
+
+
+@interp
+def test_interp_merged_linear_fuses_silu_where_a_kernel_takes_it(monkeypatch):
+    from thinkspec.layers import gemv_triton
+    from thinkspec.layers.fused_triton import silu_and_mul
+
+    calls = []
+
+    def spy(name, real):
+        return lambda *a, **kw: calls.append((name, kw)) or real(*a, **kw)
+
+    monkeypatch.setattr(gemv_triton, "gemv", spy("gemv", gemv_triton.gemv))
+    monkeypatch.setattr(gs, "skinny_gemm", spy("skinny", gs.skinny_gemm))
+    monkeypatch.setattr(gs, "SKINNY_GLU_TABLE", {(16, 40, 96): SMALL})
+    monkeypatch.setattr(gs, "SKINNY_GEMM_TABLE", {})
+    layer = linear.MergedLinear(96, {"gate": 40, "up": 40}, bias=True).to(torch.bfloat16)
+    layer.gemv = layer.skinny_gemm = True
+    x = torch.randn(16, 96).to(torch.bfloat16)
+
+    def unfused(rows):
+        return silu_and_mul(F.linear(x[:rows], layer.weight, layer.bias))
+
+    for rows, kernel in ((1, "gemv"), (2, "gemv"), (16, "skinny"), (9, "skinny")):
+        calls.clear()
+        out = layer.silu_and_mul(x[:rows])
+        assert [(c, kw["glu"]) for c, kw in calls] == [(kernel, True)]  # one launch
+        torch.testing.assert_close(out.float(), unfused(rows).float(), rtol=0.02, atol=0.02)
+    calls.clear()
+    out = layer.silu_and_mul(x[:4])  # bucket 4: not in the GLU table -> cuBLAS, then silu_and_mul
+    assert calls == [] and torch.equal(out, unfused(4))
+    three = linear.MergedLinear(96, {"q": 8, "k": 8, "v": 8}, bias=False)
+    with pytest.raises(ValueError, match="two equal shards"):
+        three.silu_and_mul(x.float())
+
+
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
 
@@ -243,3 +310,39 @@ def test_gpu_replays_in_a_cuda_graph(split):
     torch.cuda.synchronize()
     assert not torch.equal(captured, eager)
     assert torch.equal(captured, skinny_gemm(x, w, config=config))
+
+
+@gpu
+@pytest.mark.parametrize("m", [3, 16, 64])
+@pytest.mark.parametrize("config", [None, (32, 128, 1, 4, 4), (64, 128, 1, 4, 3)])
+def test_gpu_glu_matches_the_two_launches(m, config):
+    # Qwen3-8B's gate_up (2 x 12288 rows) with SiLU(gate) * up in the epilogue, against the unfused
+    # product at the same launch shape followed by silu_and_mul
+    from thinkspec.layers.fused_triton import silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(24576, 4096, device="cuda", generator=g) * 0.05).bfloat16()
+    b = torch.randn(24576, device="cuda", generator=g).bfloat16()
+    cfg = config or gs.skinny_gemm_config(m, 12288, 4096, glu=True)
+    fused = skinny_gemm(x, w, b, config=config, glu=True)
+    two = silu_and_mul(skinny_gemm(x, w, b, config=cfg))
+    err = (fused.float() - two.float()).abs()
+    assert (err <= two.float().abs() * 2**-7 + 1e-6).all()
+    assert (fused == two).float().mean().item() > 0.999
+
+
+@gpu
+@torch.inference_mode()
+def test_gpu_logits_in_float32_straight_from_the_product():
+    # Linear.product into a float32 buffer, at the verify's 320 rows (cuBLAS, float32 output) and the
+    # decode's 16 (skinny GEMM, table entry): the float32 sums, not bf16-rounded values
+    lm_head = linear.Linear(4096, 151936, bias=False).to("cuda", torch.bfloat16)
+    lm_head.gemv = lm_head.skinny_gemm = True
+    for rows in (320, 16, 1):
+        x = torch.randn(rows, 4096, device="cuda").bfloat16()
+        out = torch.empty(rows, 151936, device="cuda")
+        assert lm_head.product(x, None, out=out) is out
+        ref = F.linear(x.float(), lm_head.weight.float())
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        assert (out != out.bfloat16().float()).float().mean().item() > 0.9  # not rounded to bf16

@@ -118,6 +118,74 @@ def test_interp_linear_sends_skinny_products_to_the_gemv(monkeypatch):
     assert calls == [(1, 64), (2, 64)]
 
 
+def _glu_reference(x, w, b):
+    # x [M, K], w [2N, K], b [2N] or None -> SiLU(gate) * up [M, N] float32, as the torch path rounds:
+    # the product in x's dtype, then F.silu in it, then the product of the two
+    y = F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize(("n", "k"), [(1, 5), (37, 100), (64, 512), (5, 1500)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_interp_gemv_glu_is_the_product_then_silu_and_mul(dtype, m, n, k, bias):
+    from thinkspec.layers.fused_triton import silu_and_mul
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5 * 3).to(dtype)  # gates across SiLU's bend
+    b = torch.randn(2 * n, generator=g).to(dtype) if bias else None
+    fused = gemv(x, w, b, glu=True)
+    assert fused.shape == (m, n) and fused.dtype == dtype
+    # the same sums, roundings and SiLU as the two launches it replaces: the same bits
+    assert torch.equal(fused, silu_and_mul(gemv(x, w, b)))
+    ref = _glu_reference(x, w, b)
+    eps = torch.finfo(dtype).eps
+    tol = 1e-5 * k**0.5 if dtype == torch.float32 else 4 * eps
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item() + 1e-6)
+
+
+@interp
+def test_interp_gemv_glu_edges():
+    from thinkspec.layers.fused_triton import silu_and_mul
+
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.0, 2.0]])
+    # gate rows then up rows: gate -inf -> SiLU 0 (x up 3), gate +inf -> inf, NaN propagates, gate 0 -> 0
+    w = torch.tensor([[-inf, 0.0], [inf, 0.0], [nan, 0.0], [0.0, 0.0],
+                      [3.0, 0.0], [1.0, 0.0], [1.0, 0.0], [5.0, 0.0]])  # fmt: skip
+    out = gemv(x, w, glu=True)
+    torch.testing.assert_close(out, silu_and_mul(gemv(x, w)), rtol=0, atol=0, equal_nan=True)
+    # F.silu(-inf) is NaN in torch as well (-inf * 0)
+    torch.testing.assert_close(out, F.silu(F.linear(x, w[:4])) * F.linear(x, w[4:]), equal_nan=True)
+    assert torch.isnan(out[0, 0]) and out[0, 1] == float("inf") and torch.isnan(out[0, 2]) and out[0, 3] == 0
+    with pytest.raises(ValueError, match="N even"):
+        gemv(x, torch.zeros(3, 2), glu=True)
+    # K = 0: SiLU(gate bias) * up bias; no bias: zeros
+    bias = torch.tensor([1.0, -2.0, 3.0, 4.0])
+    empty = gemv(torch.zeros(2, 0), torch.zeros(4, 0), bias, glu=True)
+    torch.testing.assert_close(empty, (F.silu(bias[:2]) * bias[2:]).expand(2, 2))
+    assert torch.equal(gemv(torch.zeros(2, 0), torch.zeros(4, 0), glu=True), torch.zeros(2, 2))
+
+
+@interp
+@pytest.mark.parametrize("m", [1, 2])
+def test_interp_gemv_writes_into_a_float32_out(m):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 300, generator=g).bfloat16()
+    w = (torch.randn(70, 300, generator=g) / 300**0.5).bfloat16()
+    out = torch.full((m, 70), float("nan"))
+    assert gemv(x, w, out=out) is out
+    # the float32 sums themselves, not rounded to bf16
+    torch.testing.assert_close(out, F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, out.bfloat16().float())
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, out=torch.empty(m, 71))
+
+
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
 
@@ -152,3 +220,30 @@ def test_gpu_gemv_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert not torch.equal(captured, eager)
     assert torch.equal(captured, gemv(x, w))
+
+
+@gpu
+@pytest.mark.parametrize(("n", "k"), [(3072, 1024), (12288, 4096)])  # 0.6B and 8B gate_up -> SiLU * up
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_gemv_glu_matches_the_two_launches(n, k, m):
+    from thinkspec.layers.fused_triton import silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(n + m)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2 * n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    fused = gemv(x, w, glu=True)
+    for config in (None, gemv_triton.gemv_config(m, n, k, glu=True)):
+        two = silu_and_mul(gemv(x, w, config=config))
+        err = (fused.float() - two.float()).abs()
+        assert (err <= two.float().abs() * 2**-7 + 1e-6).all()  # a bf16 rounding apart at most
+        same = (fused == two).float().mean().item()
+        assert same > (0.999 if config else 0.98), same  # the same launch shape: the same bits
+
+
+@gpu
+def test_gpu_gemv_float32_out():
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    w = (torch.randn(4096, 4096, device="cuda") * 0.02).bfloat16()
+    out = torch.empty(1, 4096, device="cuda")
+    assert gemv(x, w, out=out) is out
+    torch.testing.assert_close(out, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)

@@ -145,7 +145,8 @@ def test_paged_attention_compiles(dtype, splits, block_q, fused, pdl):
     # fused: the last split program merges (gpu-scope acq_rel atomic after a block barrier)
     constexprs = {
         "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 64,
-        "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": fused, "FP32_DOT": dtype == "fp32", "PDL": pdl,
+        "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": fused, "FP32_DOT": dtype == "fp32",
+        "PDL": pdl,
     }  # fmt: skip
     kernel = compile_sm90(at._paged_attn_kernel, _attention_pointers(dtype, splits), constexprs, 4)
     if fused:
@@ -178,12 +179,14 @@ def test_paged_attention_128_key_tiles_compile(splits, block_q):
 
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("k", [4096, 12288, 1000])
-def test_gemv_compiles_without_spills(rows, k, pdl):
-    # the engine's launch shapes (gemv_config) at Qwen3-8B / 0.6B widths; 1000: the masked-K path
-    block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k)
+@pytest.mark.parametrize("k", [4096, 12288, 1024, 1000])
+@pytest.mark.parametrize("glu", [False, True])
+def test_gemv_compiles_without_spills(rows, k, glu, pdl):
+    # the engine's launch shapes (gemv_config) at Qwen3-8B / 0.6B widths; 1000: the masked-K path;
+    # glu: the gate/up product with SiLU(gate) * up in the epilogue (two accumulators)
+    block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k, glu)
     constexprs = {
-        "HAS_BIAS": rows == 2, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
+        "HAS_BIAS": rows == 2, "GLU": glu, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
         "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "PDL": pdl,
     }  # fmt: skip
     ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
@@ -208,13 +211,17 @@ def test_gemv_compiles_without_spills(rows, k, pdl):
 def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     # Qwen3-8B's o_proj (4096 x 4096), whose strides and K are multiples of 16 as at run time: the
     # weight tiles must stream through cp.async stages (the kernel's point), with no spills, and fit
-    # the H200's 227 KiB of shared memory
+    # the H200's 227 KiB of shared memory; glu: two weight tiles per K step (gate and up rows)
     n = k = 4096
     block_n, block_k, split, warps, stages = config or gs.skinny_gemm_config(rows, n, k)
-    for split_out in {False, split > 1}:
+    for split_out, glu in {(False, False), (split > 1, False), (False, True)}:
+        block_m = max(16, triton.next_power_of_2(rows))
+        if glu and stages * (2 * block_n + block_m) * block_k * 2 > 227 * 1024:
+            continue  # twice the weight tiles in flight do not fit: bench_skinny_gemm --glu skips it too
         constexprs = {
-            "HAS_BIAS": not split_out, "SPLIT": split_out, "BLOCK_M": max(16, triton.next_power_of_2(rows)),
-            "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "PDL": pdl,
+            "HAS_BIAS": not split_out, "SPLIT": split_out, "GLU": glu,
+            "BLOCK_M": max(16, triton.next_power_of_2(rows)), "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "EVEN_K": True, "DOT_F32": False, "PDL": pdl,
         }  # fmt: skip
         ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
         ptrs["y_ptr"] = "fp32" if split_out else "bf16"
@@ -227,6 +234,29 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     ptrs = {"part_ptr": "fp32", "b_ptr": "bf16", "y_ptr": "bf16"}
     constexprs = {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024, "PDL": pdl}
     compile_sm90(gs._split_k_sum_kernel, ptrs, constexprs, 4)
+
+
+@pytest.mark.parametrize(
+    ("glu", "key"),
+    [(False, key) for key in gs.SKINNY_GEMM_TABLE] + [(True, key) for key in gs.SKINNY_GLU_TABLE],
+)
+def test_skinny_gemm_table_entries_compile(glu, key):
+    # every launch shape the tables send an engine product to: pipelined, no spills, fits shared memory
+    rows, n, k = key
+    block_n, block_k, split, warps, stages = (gs.SKINNY_GLU_TABLE if glu else gs.SKINNY_GEMM_TABLE)[key]
+    assert not glu or split == 1
+    constexprs = {
+        "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": max(16, rows), "BLOCK_N": block_n,
+        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "DOT_F32": False, "PDL": True,
+    }  # fmt: skip
+    ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
+    ptrs["y_ptr"] = "fp32" if split > 1 or n == 151936 else "bf16"  # partials; logits in float32
+    aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
+    kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
+    usage = resource_usage(kernel.asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    assert "async_copy_global_to_local" in kernel.asm["ttgir"]
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

@@ -13,7 +13,10 @@ ints (T, B, meta.max_query_len, meta.max_seq_len, head counts), so a step can be
 With fused_combine (the default) there is no third launch: each split program stores its partials,
 then counts itself in on a per-(sequence, query tile, KV head) counter (a release/acquire atomic
 after a block barrier), and the program that arrives last merges the S partials in split order,
-writes the final rows and sets the counter back to zero for the next launch (graph replays).
+writes the final rows and sets the counter back to zero for the next launch (graph replays). The
+grid's S is an upper bound fixed at capture (from max_model_len); each query tile uses one split per
+tile of its own keys up to S, the other split programs return at once, and a tile of keys that fits
+one tile is written by its one program without the merge.
 Sequences are located from query_start_loc / seq_lens inside the kernels; no device value is read on
 the host. Rows past query_start_loc[-1] (padding) come out zero, written by the split-0 programs of
 the first sequence's first query tile (or by the combine launch), so the output needs no zero-fill.
@@ -164,10 +167,18 @@ def _paged_attn_kernel(
     )  # [BLOCK_M, BLOCK_D]
     q_pos = ctx_len + qi  # [BLOCK_M] absolute position of each row's query
 
-    # Causal KV range of this query tile, cut into NUM_SPLITS chunks of whole BLOCK_N tiles.
+    # Causal KV range of this query tile, cut into n_split chunks of whole BLOCK_N tiles. With the fused
+    # merge n_split follows this tile's own length, one split per tile up to NUM_SPLITS (the same chunks
+    # as NUM_SPLITS gives, without the empty ones): the split programs past n_split return at once and
+    # the merge reads n_split partials. Without it all NUM_SPLITS take part.
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
     tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    n_split = NUM_SPLITS
+    if FUSE_COMBINE:
+        n_split = tl.maximum(tl.minimum(tiles, NUM_SPLITS), 1)
+        if split >= n_split:
+            return
+    tiles_per_split = tl.cdiv(tiles, n_split)
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
 
@@ -207,6 +218,10 @@ def _paged_attn_kernel(
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif n_split == 1:  # FUSE_COMBINE, one tile of keys: the one program writes the final rows
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        dst = final_ptr + tok[:, None] * stride_ft + head[:, None] * stride_fh + d[None, :]
+        tl.store(dst, o.to(final_ptr.dtype.element_ty), mask=out_mask)
     else:
         base = tok * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
         tl.store(out_ptr + base[:, None] + d[None, :], acc, mask=out_mask)
@@ -219,17 +234,17 @@ def _paged_attn_kernel(
             tl.debug_barrier()
             heads_kv = tl.num_programs(2) // NUM_SPLITS
             sem = sem_ptr + (b * tl.num_programs(1) + q_tile) * heads_kv + h_kv
-            if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == n_split - 1:
                 tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
                 ml_rows = ml_ptr + ml_row * 2  # [BLOCK_M] each row's split-0 (max, sum)
                 m_max = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-                for i in range(NUM_SPLITS):
+                for i in range(n_split):
                     m_s = tl.load(ml_rows + 2 * i, mask=row_ok, other=_NEG_BIG, cache_modifier=".cg")
                     m_max = tl.maximum(m_max, m_s)
                 den = tl.zeros([BLOCK_M], tl.float32)
                 o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
                 part = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :]
-                for i in range(NUM_SPLITS):  # split order: the same sums whichever program merges
+                for i in range(n_split):  # split order: the same sums whichever program merges
                     m_s = tl.load(ml_rows + 2 * i, mask=row_ok, other=_NEG_BIG, cache_modifier=".cg")
                     l_s = tl.load(ml_rows + 2 * i + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
                     w = tl.exp2(m_s - m_max)  # empty splits: m = -1e30 -> weight 0

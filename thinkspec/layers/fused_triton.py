@@ -326,6 +326,17 @@ def qk_norm_rope(
 
 
 @triton.jit
+def silu_mul(gate, up, DTYPE: tl.constexpr):
+    """SiLU(gate) * up in float32 with the unfused path's roundings: gate and up as the projection
+    stores them (rounded to DTYPE), SiLU rounded to DTYPE (`F.silu`), the product left for the
+    caller's store to round. Shared by silu_and_mul and the products that fuse it (gemv_triton.py,
+    gemm_skinny_triton.py), so fused and unfused results are the same bits."""
+    g = gate.to(DTYPE).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE)
+    return act.to(tl.float32) * up.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2*I]: gate then up, last dim contiguous
     stride_x,
@@ -341,9 +352,7 @@ def _silu_and_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded to the model dtype
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = silu_mul(gate, up, gate.dtype)
     release_next(PDL)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

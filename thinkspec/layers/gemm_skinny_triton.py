@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from thinkspec.layers.fused_triton import silu_mul
 from thinkspec.layers.gemv_triton import product_operands
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
@@ -46,9 +47,19 @@ Config = tuple[int, int, int, int, int]
 # everything else stays on cuBLAS. Empty until measured: fill it from bench_skinny_gemm's JSON with
 #   python benchmarks/bench_skinny_gemm.py --table-from skinny.json
 # which prints the entries (cells where the best launch shape beat cuBLAS by --min-gain).
-# Measured 2026-12-01 on the H200 (benchmarks/results/2026-12-01-skinny-gemm-h200.json): Qwen3-8B's
-# projections at 16, 32 and 64 rows; unmeasured row buckets (4, 8) and shapes stay on cuBLAS.
+# Measured 2026-12-01 on the H200: Qwen3-8B's projections at 16, 32 and 64 rows
+# (benchmarks/results/2026-12-01-skinny-gemm-h200.json) and at 4 and 8 rows (a batch-1 verify of
+# k + 1 tokens; ...-skinny-gemm-h200-rows-4-8.json); other shapes stay on cuBLAS.
 SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
+    (4, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.1 vs cuBLAS 12.6 us
+    (4, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.1 vs cuBLAS 30.2 us
+    (4, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.4 vs cuBLAS 15.5 us
+    (4, 151936, 4096): (64, 128, 1, 4, 5),  # lm_head: 276.5 vs cuBLAS 290.8 us
+    (8, 4096, 4096): (32, 256, 1, 4, 5),  # o: 11.0 vs cuBLAS 12.4 us
+    (8, 4096, 12288): (128, 64, 4, 4, 5),  # down: 26.2 vs cuBLAS 30.3 us
+    (8, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.5 vs cuBLAS 15.5 us
+    (8, 24576, 4096): (64, 64, 1, 4, 5),  # gate_up: 47.5 vs cuBLAS 52.6 us
+    (8, 151936, 4096): (128, 128, 1, 8, 4),  # lm_head: 279.4 vs cuBLAS 289.7 us
     (16, 4096, 4096): (32, 256, 1, 4, 5),  # o: 11.5 vs cuBLAS 13.5 us
     (16, 4096, 12288): (32, 256, 1, 4, 5),  # down: 26.8 vs cuBLAS 28.7 us
     (16, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.9 vs cuBLAS 15.7 us
@@ -59,31 +70,44 @@ SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (64, 4096, 12288): (64, 128, 2, 4, 5),  # down: 29.7 vs cuBLAS 31.4 us
 }
 
+# The same for gate_up with SiLU(gate) * up in the epilogue (glu=True), keyed by (rows bucket, I, K)
+# with I the outputs (half the gate_up rows), against cuBLAS's gate_up product followed by the
+# silu_and_mul launch (bench_skinny_gemm --glu). SPLIT_K is always 1. Measured 2026-12-01 on the H200
+# (benchmarks/results/2026-12-01-skinny-glu-h200.json): Qwen3-8B's gate_up at 4 to 64 rows.
+SKINNY_GLU_TABLE: dict[tuple[int, int, int], Config] = {
+    (4, 12288, 4096): (64, 128, 1, 4, 3),  # 48.2 vs cuBLAS + silu_and_mul 51.0 us
+    (8, 12288, 4096): (64, 128, 1, 4, 3),  # 48.4 vs 56.6 us
+    (16, 12288, 4096): (64, 128, 1, 4, 3),  # 48.7 vs 52.6 us
+    (32, 12288, 4096): (128, 128, 1, 8, 3),  # 49.8 vs 53.2 us
+    (64, 12288, 4096): (64, 64, 1, 4, 4),  # 51.6 vs 54.9 us
+}
+
 
 def row_bucket(num_rows: int) -> int:
     """The smallest measured row count >= num_rows (MIN_ROWS <= num_rows <= MAX_ROWS)."""
     return next(b for b in ROW_BUCKETS if b >= num_rows)
 
 
-def skinny_gemm_wins(num_rows: int, n: int, k: int) -> bool:
-    """Whether the table says this kernel beats cuBLAS for an [num_rows, k] x [n, k].T product."""
+def skinny_gemm_wins(num_rows: int, n: int, k: int, glu: bool = False) -> bool:
+    """Whether the table (glu: SKINNY_GLU_TABLE, n the outputs) says this kernel beats cuBLAS for an
+    [num_rows, k] x [n, k].T product."""
     if not MIN_ROWS <= num_rows <= MAX_ROWS:
         return False
-    return (row_bucket(num_rows), n, k) in SKINNY_GEMM_TABLE
+    return (row_bucket(num_rows), n, k) in (SKINNY_GLU_TABLE if glu else SKINNY_GEMM_TABLE)
 
 
-def skinny_gemm_config(num_rows: int, n: int, k: int) -> Config:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [num_rows, k] x [n, k].T product:
-    the table's entry when there is one, else a shape rule (enough programs to fill 132 SMs twice,
-    64 KiB of W in flight per program)."""
+def skinny_gemm_config(num_rows: int, n: int, k: int, glu: bool = False) -> Config:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [num_rows, k] x [n, k].T product
+    (glu: n outputs from 2n weight rows): the table's entry when there is one, else a shape rule
+    (enough programs to fill 132 SMs twice, 64 KiB of W in flight per program; never split with glu)."""
     if MIN_ROWS <= num_rows <= MAX_ROWS:
-        hit = SKINNY_GEMM_TABLE.get((row_bucket(num_rows), n, k))
+        hit = (SKINNY_GLU_TABLE if glu else SKINNY_GEMM_TABLE).get((row_bucket(num_rows), n, k))
         if hit is not None:
             return hit
     block_n = 64 if n >= 64 * 264 else 32
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     split = 1
-    while triton.cdiv(n, block_n) * split < 264 and k >= 2 * split * 2 * block_k and split < 4:
+    while not glu and triton.cdiv(n, block_n) * split < 264 and k >= 2 * split * 2 * block_k and split < 4:
         split *= 2
     return block_n, block_k, split, 4, 4
 
@@ -92,10 +116,10 @@ def skinny_gemm_config(num_rows: int, n: int, k: int) -> Config:
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K], last dim contiguous
     stride_x,
-    w_ptr,  # [N, K], last dim contiguous
+    w_ptr,  # [N, K] (GLU: [2N, K], gate rows then up rows), last dim contiguous
     stride_w,
-    b_ptr,  # [N] (HAS_BIAS)
-    y_ptr,  # [M, N] in x's dtype (SPLIT == False) or float32 partials [SPLIT_K, M, N] (SPLIT == True)
+    b_ptr,  # [N] (GLU: [2N]) (HAS_BIAS)
+    y_ptr,  # [M, N] of any float dtype (SPLIT == False) or float32 partials [SPLIT_K, M, N] (SPLIT == True)
     stride_y,  # row stride of y / of one partial slice
     stride_ys,  # stride between partial slices (SPLIT)
     M,
@@ -104,6 +128,7 @@ def _skinny_gemm_kernel(
     K_PER_SPLIT,  # a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    GLU: tl.constexpr,  # y = SiLU(x @ W[:N].T + b[:N]) * (x @ W[N:].T + b[N:]); never with SPLIT
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -124,8 +149,10 @@ def _skinny_gemm_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
     x_base = x_ptr + x_rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
     wait_prior(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_base + k0, eviction_policy="evict_first")
@@ -135,10 +162,13 @@ def _skinny_gemm_kernel(
             k_ok = (k0 + ks) < k_end
             w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+        acc = _tile_dot(w, x, acc, DOT_F32)
+        if GLU:
+            if EVEN_K:
+                w_up = tl.load(up_base + k0, eviction_policy="evict_first")
+            else:
+                w_up = tl.load(up_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
     release_next(PDL)
     store_ok = (cols < N)[:, None] & (rows < M)[None, :]
     if SPLIT:
@@ -147,8 +177,21 @@ def _skinny_gemm_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        if GLU:
+            if HAS_BIAS:
+                acc_up += tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+            acc = silu_mul(acc, acc_up, x_ptr.dtype.element_ty)
         out = y_ptr + rows[None, :] * stride_y + cols[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x [BLOCK_M, BLOCK_K].T in float32."""
+    if DOT_F32:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, tl.trans(x), acc)
 
 
 @triton.jit
@@ -183,22 +226,27 @@ def skinny_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: Config | None = None,
+    glu: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS; bf16 or fp16), weight [N, K] (x's dtype), bias [N] or None -> [M, N]
-    in x's dtype.
+    """x [M, K] (M <= MAX_ROWS; bf16 or fp16), weight [N, K] (x's dtype), bias [N] or None -> x @
+    weight.T + bias [M, N] in x's dtype, or in `out` ([M, N], any float dtype: rounded once to it).
 
+    glu: weight [2 * N, K] holds gate rows then up rows (bias [2 * N]), and the result is
+    SiLU(gate) * up [M, N], bit for bit what the product followed by fused_triton.silu_and_mul gives
+    at the same launch shape (K is never split: SiLU needs whole sums).
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(
             f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
         )
-    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS)
+    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS, glu, out)
     if done:
         return y
-    (m, k), n = x.shape, weight.shape[0]
-    block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k)
+    (m, k), n = x.shape, y.shape[1]
+    block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k, glu)
     steps = triton.cdiv(k, block_k)
-    split = max(1, min(split, steps))
+    split = 1 if glu else max(1, min(split, steps))
     k_per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     b = bias if bias is not None else weight
@@ -211,13 +259,13 @@ def skinny_gemm(
     if split == 1:
         _skinny_gemm_kernel[grid](
             x, x.stride(0), weight, weight.stride(0), b, y, y.stride(0), 0, m, n, k, k_per_split,
-            HAS_BIAS=bias is not None, SPLIT=False, **meta,
+            HAS_BIAS=bias is not None, SPLIT=False, GLU=glu, **meta,
         )  # fmt: skip
         return y
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
-        HAS_BIAS=False, SPLIT=True, **meta,
+        HAS_BIAS=False, SPLIT=True, GLU=False, **meta,
     )  # fmt: skip
     _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
         part, b, y, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4, **pdl

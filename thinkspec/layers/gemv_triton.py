@@ -20,9 +20,11 @@ capturable. On CPU this runs under TRITON_INTERPRET=1 (tests); `F.linear` is the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from thinkspec.layers.fused_triton import silu_mul
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
@@ -32,15 +34,16 @@ MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEM
 def _gemv_kernel(
     x_ptr,  # [M, K], last dim contiguous
     stride_x,
-    w_ptr,  # [N, K], last dim contiguous
+    w_ptr,  # [N, K] (GLU: [2N, K], gate rows then up rows), last dim contiguous
     stride_w,
-    b_ptr,  # [N] (HAS_BIAS)
+    b_ptr,  # [N] (GLU: [2N]) (HAS_BIAS)
     y_ptr,  # [M, N], last dim contiguous
     stride_y,
     M,
     N,
     K,
     HAS_BIAS: tl.constexpr,
+    GLU: tl.constexpr,  # y = SiLU(x @ W[:N].T + b[:N]) * (x @ W[N:].T + b[N:])
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -54,64 +57,85 @@ def _gemv_kernel(
     row_ok = rows < M
     col_ok = cols < N
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
     x_base = x_ptr + rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
     wait_prior(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if GLU else (1, 1, 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_base + k0, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_base + k0, mask=row_ok[:, None], other=0.0)
+            w_mask = col_ok[:, None]
+            x_mask = row_ok[:, None]
         else:
             k_ok = (k0 + ks) < K
-            w = tl.load(
-                w_base + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
-            )
-            x = tl.load(x_base + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            x_mask = row_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_base + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_base + k0, mask=x_mask, other=0.0).to(tl.float32)[:, None, :]
+        acc += x * w.to(tl.float32)[None, :, :]
+        if GLU:
+            w_up = tl.load(up_base + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_up += x * w_up.to(tl.float32)[None, :, :]
     release_next(PDL)
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        up = tl.sum(acc_up, axis=2)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = silu_mul(y, up, x_ptr.dtype.element_ty)
     out = y_ptr + rows[:, None] * stride_y + cols[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def gemv_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [num_rows, k] x [n, k].T product.
+def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [num_rows, k] x [n, k].T product (glu: n
+    outputs from 2n weight rows).
 
     Best summed time over the Qwen3-8B and 0.6B projections on the H200 at 1 and 2 rows
-    (bench_gemv); num_stages makes no difference (nothing in the loop feeds a dot to pipeline)."""
+    (bench_gemv); num_stages makes no difference (nothing in the loop feeds a dot to pipeline).
+    With glu a program reads gate and up rows: half the outputs, the same weight rows per program
+    (and registers: two accumulators of the full size spill at 2 rows)."""
     block_k = min(512, triton.next_power_of_2(k))
-    if num_rows <= 2:
-        return 4, block_k, 2, 1
-    return 2, block_k, 4, 1
+    block_n, warps = (4, 2) if num_rows <= 2 else (2, 4)
+    return block_n // 2 if glu else block_n, block_k, warps, 1
 
 
 def product_operands(
     name: str,
     x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N] or None
+    weight: torch.Tensor,  # [N, K] (glu: [2 * N, K], gate rows then up rows)
+    bias: torch.Tensor | None,  # [N] (glu: [2 * N]) or None
     max_rows: int,
+    glu: bool = False,
+    out: torch.Tensor | None = None,  # [M, N] of any float dtype, or None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(x, weight with contiguous last dims, y [M, N] in x's dtype, done): the checks and the empty
-    cases a skinny product kernel shares; done is True when y already holds the result (no rows, no
-    columns, or K = 0). ValueError for shapes the kernel does not take."""
+    """(x, weight with contiguous last dims, y, done): the checks and the empty cases a skinny product
+    kernel shares. y is `out`, or a new [M, N] in x's dtype; done is True when y already holds the
+    result (no rows, no columns, or K = 0). ValueError for shapes the kernel does not take."""
     m, k = x.shape
-    n = weight.shape[0]
-    if m > max_rows or weight.shape[1] != k:
+    rows = weight.shape[0]
+    if m > max_rows or weight.shape[1] != k or (glu and rows % 2):
         shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
-        raise ValueError(f"{name} takes [M <= {max_rows}, K] x [N, K], got {shapes}")
+        even = " with N even (gate rows, then up rows)" if glu else ""
+        raise ValueError(f"{name} takes [M <= {max_rows}, K] x [N, K]{even}, got {shapes}")
+    n = rows // 2 if glu else rows
+    if out is not None and (out.shape != (m, n) or out.stride(1) != 1 or not out.is_floating_point()):
+        want = f"a float [{m}, {n}] with a contiguous last dim"
+        raise ValueError(f"{name}: out must be {want}, got {out.dtype} {tuple(out.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return x, weight, y, True
     if k == 0:
-        y = y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-        return x, weight, y, True
+        if bias is None:
+            return x, weight, y.zero_(), True  # SiLU(0) * 0 = 0 too
+        z = bias.to(x.dtype).expand(m, rows)
+        return x, weight, y.copy_(F.silu(z[:, :n]) * z[:, n:] if glu else z), True
     return x, weight, y, False
 
 
@@ -120,19 +144,25 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    glu: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
+    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> x @ weight.T + bias [M, N] in x's
+    dtype, or in `out` ([M, N], any float dtype: the float32 sums rounded once to it).
 
+    glu: weight [2 * N, K] holds gate rows then up rows (bias [2 * N]), and the result is
+    SiLU(gate) * up [M, N]: what the product followed by fused_triton.silu_and_mul gives, bit for bit
+    at the same launch shape (same sums, roundings and SiLU), in one launch.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
-    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS)
+    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS, glu, out)
     if done:
         return y
-    (m, k), n = x.shape, weight.shape[0]
-    block_n, block_k, warps, stages = config or gemv_config(m, n, k)
+    (m, k), n = x.shape, y.shape[1]
+    block_n, block_k, warps, stages = config or gemv_config(m, n, k, glu)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
         m, n, k,
-        HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **launch_args(x.device),
     )  # fmt: skip
     return y

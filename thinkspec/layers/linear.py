@@ -42,19 +42,45 @@ class Linear(nn.Linear):
         # x: [..., in] -> [..., out]
         return self.product(x, self.bias)
 
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [..., in] -> x @ weight.T + bias [..., out]
-        skinny = x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-        if self.gemv and skinny and self.weight.numel() <= GEMV_MAX_WEIGHT:
+    def product(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None, glu: bool = False
+    ) -> torch.Tensor:
+        # x: [..., in] -> x @ weight.T + bias [..., out]; glu: SiLU of the first half of those columns
+        # times the second half [..., out / 2] (a Triton kernel must take it: see MergedLinear.silu_and_mul);
+        # out: a float [rows, out] buffer (any float dtype) the result is written into, or None
+        kernel = self.triton_kernel(x, glu)
+        if kernel == "gemv":
             from thinkspec.layers.gemv_triton import gemv
 
-            return gemv(x, self.weight, bias)
-        if self.skinny_gemm and x.dim() == 2 and x.dtype in _HALF and x.dtype == self.weight.dtype:
+            return gemv(x, self.weight, bias, glu=glu, out=out)
+        if kernel == "skinny":
+            from thinkspec.layers.gemm_skinny_triton import skinny_gemm
+
+            return skinny_gemm(x, self.weight, bias, glu=glu, out=out)
+        if glu:
+            shapes = f"{tuple(x.shape)} x {tuple(self.weight.shape)}"
+            raise ValueError(f"no Triton kernel takes the SiLU product {shapes}")
+        if out is None:
+            return F.linear(x, self.weight, bias)
+        if bias is None and x.is_cuda and out.dtype != x.dtype and x.dim() == 2:
+            # cuBLAS writes the float32 sums straight into out: no product in x's dtype, no cast-copy
+            return torch.mm(x, self.weight.t(), out_dtype=out.dtype, out=out)
+        return out.copy_(F.linear(x, self.weight, bias))
+
+    def triton_kernel(self, x: torch.Tensor, glu: bool = False) -> str | None:
+        """Which kernel computes this layer's product of x [..., in]: "gemv", "skinny" or None (F.linear)
+        (glu: the gate/up product with SiLU(gate) * up fused; its outputs are half the rows)."""
+        if x.dim() != 2:
+            return None
+        rows, n = x.shape[0], self.out_features // 2 if glu else self.out_features
+        if self.gemv and rows <= GEMV_MAX_ROWS and self.weight.numel() <= GEMV_MAX_WEIGHT:
+            return "gemv"
+        if self.skinny_gemm and x.dtype in _HALF and x.dtype == self.weight.dtype:
             from thinkspec.layers import gemm_skinny_triton as gs
 
-            if gs.skinny_gemm_wins(x.shape[0], self.out_features, self.in_features):
-                return gs.skinny_gemm(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+            if gs.skinny_gemm_wins(rows, n, self.in_features, glu):
+                return "skinny"
+        return None
 
 
 class ColumnParallelLinear(Linear):
@@ -99,6 +125,8 @@ class MergedLinear(Linear):
     """shard_starts: each projection's first row in its checkpoint tensor, when this rank holds a
     slice of each (tensor parallelism); None when the layer holds whole projections."""
 
+    fuse_silu = True  # silu_and_mul: SiLU * up inside the product where a kernel takes it (benchmarks: off)
+
     def __init__(
         self,
         in_features: int,
@@ -128,3 +156,16 @@ class MergedLinear(Linear):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # y: [..., out] -> one view per shard, in declaration order
         return y.split(list(self.shard_sizes.values()), dim=-1)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> SiLU(gate) * up [T, out / 2] for a layer of two equal shards (gate, up), in
+        # Triton kernels: fused into the product where the GEMV or SKINNY_GLU_TABLE takes the shape
+        # (one launch instead of two, the same bits as the GEMV's unfused pair), else the product then
+        # fused_triton.silu_and_mul
+        if len(self.shard_sizes) != 2 or len(set(self.shard_sizes.values())) != 1:
+            raise ValueError(f"silu_and_mul needs two equal shards (gate, up), got {self.shard_sizes}")
+        if self.fuse_silu and self.triton_kernel(x, glu=True) is not None:
+            return self.product(x, self.bias, glu=True)
+        from thinkspec.layers.fused_triton import silu_and_mul
+
+        return silu_and_mul(self.product(x, self.bias))

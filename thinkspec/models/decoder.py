@@ -119,11 +119,9 @@ class DecoderMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.fused:
-            from thinkspec.layers.fused_triton import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(F.silu(gate) * up)
 
@@ -233,11 +231,14 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # hidden: [N, hidden] model dtype (rows already selected) -> [N, vocab] float32, on every rank;
-        # out: [N, vocab] float32 to write them into (one cast-copy instead of a new tensor plus a
-        # copy: 194 MB each at 320 rows), or None
-        logits = self.lm_head(hidden)  # [N, vocab / size] this rank's shard
+        # out: [N, vocab] float32 to write them into (a CUDA graph's static buffer), or None. With one
+        # rank the product's float32 sums are written straight into it (on CUDA not rounded to the
+        # model dtype first; the cast-copy of 194 MB at 320 rows is gone)
         if self.tp.size > 1:
+            logits = self.lm_head(hidden)  # [N, vocab / size] this rank's shard
             logits = all_gather_last_dim(logits, self.tp.size)[:, : self.config.vocab_size]
+            return logits.float() if out is None else out.copy_(logits)
         if out is None:
-            return logits.float()
-        return out.copy_(logits)
+            rows, vocab = hidden.shape[0], self.lm_head.out_features
+            out = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
+        return self.lm_head.product(hidden, None, out=out)
