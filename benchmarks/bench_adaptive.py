@@ -35,7 +35,9 @@ k's, since relaxed acceptance depends on where the windows end. The criterion re
 
 Every speculating row records its mean acceptance length per repetition (0.0: no step speculated)
 and, on the toy pair, the problems answered right and its outputs' fingerprints; adaptive rows the
-draft_length_histogram per phase of their last repetition.
+draft_length_histogram per phase of their last repetition, and choice_trace: every fresh choice of
+that repetition with what it was made from (AdaptiveDraftLength.trace: the learned overheads and
+acceptance estimates, the modelled tokens per ms of the choice and of the plain step).
 
 Writes JSON (--out; rewritten after every repetition, so a run cut short keeps what it measured)
 and prints a table last.
@@ -264,6 +266,8 @@ def rows_of(stats: dict, batches: list[int], cells) -> list[dict]:
             row.update(stats["facts"].get((cell[0], b), {}))
             if (cell[0], b) in stats["hists"]:
                 row["draft_length_histogram"] = stats["hists"][(cell[0], b)]
+            if (cell[0], b) in stats.get("traces", {}):
+                row["choice_trace"] = stats["traces"][(cell[0], b)]
             rows.append(row)
     return rows
 
@@ -386,14 +390,20 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
     for b in batches:
         for cell in cells:
             sample(cell, b)[1]()
-    stats: dict = {"times": {(c[0], b): [] for c in cells for b in batches}, "hists": {}, "facts": {}}
+    stats: dict = {"times": {(c[0], b): [] for c in cells for b in batches}, "hists": {}, "facts": {},
+                   "traces": {}}  # fmt: skip
     for r in range(args.repeats):
         for b in batches:
             order = cells[r % len(cells) :] + cells[: r % len(cells)]
             for cell in order:
                 what = f"{cell[0]} batch {b} (repetition {r + 1})"
+                chooser = choosers[cell[1]] if is_adaptive(cell) else None
+                if chooser is not None:
+                    chooser.trace = []  # the choices of this run (the last repetition's are kept)
                 out = timed_sample(*sample(cell, b), what)
                 record(stats, cell, b, out, args, what)
+                if chooser is not None:
+                    stats["traces"][(cell[0], b)], chooser.trace = chooser.trace, None
                 print(f"  rep {r + 1} {cell[0]} batch {b}: {out[0]:.1f} tok/s", flush=True)
         result["rows"] = rows_of(stats, batches, cells)
         result["summary"] = summarise(result["rows"], batches, args)

@@ -51,6 +51,9 @@ def test_bench_adaptive_toy_smoke(tmp_path):
         hist = rows[("toy adaptive", b)]["draft_length_histogram"]  # rows choosing k = 0, 1, ...
         assert 1 <= len(hist["thinking"]) <= K_MAX + 1 and sum(hist["thinking"]) > 0
         assert "draft_length_histogram" not in rows[("toy k=1", b)]
+        trace = rows[("toy adaptive", b)]["choice_trace"]  # at least the first choice of the run
+        assert trace and all(len(t["overhead_ms"]) == K_MAX + 1 and t["tok_per_ms"] > 0 for t in trace)
+        assert "choice_trace" not in rows[("toy k=1", b)]
     for s in result["summary"]:
         fixed = {c: rows[(c, s["batch"])]["tok_per_s"] for c in ("toy k=1", "toy k=2")}
         best = max(fixed, key=fixed.__getitem__)

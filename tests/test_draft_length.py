@@ -327,3 +327,27 @@ def test_cost_model_measured_from_graph_replays_writes_no_kv():
     assert spec.target_runner.graphs.spec.query_widths == tuple(range(1, K + 2))
     for before, runner in zip(kv, (spec.target_runner, spec.draft_runner)):
         assert torch.equal(before, runner.kv_cache)
+
+
+def test_trace_records_each_fresh_choice():
+    chooser = AdaptiveDraftLength(K, _costs(per_token=0.01))
+    counts = np.array([2, 30, 0])
+    chooser.choose(counts)
+    assert chooser.trace is None  # off unless asked for
+    chooser = AdaptiveDraftLength(K, _costs(per_token=0.01))
+    chooser.trace = []
+    chooser.estimates.rates[THINKING] = 0.9
+    first = chooser.choose(counts)
+    for _ in range(REFRESH - 1):  # reused while fresh: no new entry
+        chooser.choose(counts)
+    chooser.estimates.rates[THINKING] = 0.05  # the next evaluation goes plain
+    for _ in range(REFRESH_PLAIN):
+        chooser.choose(counts)
+    assert len(chooser.trace) == 2
+    one, two = chooser.trace
+    assert one["choice"] == 1 and one["counts"] == [2, 30, 0] and two["choice"] == REFRESH + 1
+    assert first[THINKING] > 0
+    assert one["ks"] == {"answer": int(first[ANSWER]), "thinking": int(first[THINKING])}
+    assert one["tok_per_ms"] > one["plain_tok_per_ms"] > 0 and len(one["overhead_ms"]) == K + 1
+    assert one["rates"]["thinking"] == [0.9] * K and set(one["rates"]) == {"answer", "thinking"}
+    assert two["ks"] == {"answer": 0, "thinking": 0} and two["tok_per_ms"] == two["plain_tok_per_ms"]

@@ -577,3 +577,19 @@ def test_synthetic_acceptance_profile_per_phase(target, draft):
     with pytest.raises(ValueError, match="non-increasing"):
         bad = {**profile, "answer": [0, 1, 0, 0]}
         LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+
+
+def test_verify_windows_are_a_view_when_they_cover_the_logits_in_order():
+    from thinkspec.engine.speculator import _windows_of
+
+    logits = torch.randn(13, 7)
+    full = np.arange(12).reshape(3, 4)  # every sequence speculating with the full window
+    view = _windows_of(logits, full)
+    assert view.shape == (3, 4, 7) and view.data_ptr() == logits.data_ptr()  # no copy
+    assert torch.equal(view, logits[:12].view(3, 4, 7))
+    padded = np.array([[0, 1, 2, 3], [4, 5, 4, 4], [6, 7, 8, 9]])  # a shorter window, padded
+    gathered = _windows_of(logits, padded)
+    assert gathered.data_ptr() != logits.data_ptr()
+    assert torch.equal(gathered, logits[torch.from_numpy(padded)])
+    shifted = np.arange(1, 13).reshape(3, 4)  # a plain row first: the windows start at row 1
+    assert torch.equal(_windows_of(logits, shifted), logits[1:13].view(3, 4, 7))

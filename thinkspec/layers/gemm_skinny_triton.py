@@ -16,9 +16,12 @@ at the HBM rate and nothing else:
   partials [SPLIT_K, M, N], and a second small launch sums them in a fixed order, adds the bias and
   rounds once: no atomics, so the result does not depend on timing.
 
-Numerics: products and sums in float32, the result rounded once to x's dtype (as cuBLAS does, up to
-summation order). Shapes alone decide the grid and the partials' size, so launches are CUDA-graph
-capturable (no host syncs, no data-dependent allocation). On CPU this runs under
+With glu (SKINNY_GLU_TABLE) the weight holds gate rows then up rows: each K step loads both tiles
+of a program's outputs, K is never split, and the epilogue writes SiLU(gate) * up.
+
+Numerics: products and sums in float32, the result rounded once to x's dtype (or out's), as cuBLAS
+does, up to summation order. Shapes alone decide the grid and the partials' size, so launches are
+CUDA-graph capturable (no host syncs, no data-dependent allocation). On CPU this runs under
 TRITON_INTERPRET=1 (tests); `F.linear` is the reference.
 
 Which (rows, N, K) go to this kernel rather than cuBLAS is decided by measurement only:

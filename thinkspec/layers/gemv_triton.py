@@ -12,6 +12,11 @@ cross-program reduction is needed:
   x; it walks K in BLOCK_K steps, accumulating products in float32 [BLOCK_M, BLOCK_N, BLOCK_K]
   registers, and reduces over K once at the end.
 
+With glu the weight holds gate rows then up rows, a program keeps both sums of its outputs, and
+it writes SiLU(gate) * up (MergedLinear.silu_and_mul: one launch instead of the product and
+fused_triton.silu_and_mul). An `out` buffer of another float dtype (the float32 logits) takes the
+sums rounded once to it.
+
 Numerics: products and sums in float32, the result rounded once to the output dtype (as cuBLAS
 does, up to summation order). The grid depends only on shapes, so launches are CUDA-graph
 capturable. On CPU this runs under TRITON_INTERPRET=1 (tests); `F.linear` is the reference.

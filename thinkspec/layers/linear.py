@@ -160,8 +160,8 @@ class MergedLinear(Linear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> SiLU(gate) * up [T, out / 2] for a layer of two equal shards (gate, up), in
         # Triton kernels: fused into the product where the GEMV or SKINNY_GLU_TABLE takes the shape
-        # (one launch instead of two, the same bits as the GEMV's unfused pair), else the product then
-        # fused_triton.silu_and_mul
+        # (one launch instead of two, with the unfused pair's sums and roundings), else the product
+        # then fused_triton.silu_and_mul
         if len(self.shard_sizes) != 2 or len(set(self.shard_sizes.values())) != 1:
             raise ValueError(f"silu_and_mul needs two equal shards (gate, up), got {self.shard_sizes}")
         if self.fuse_silu and self.triton_kernel(x, glu=True) is not None:

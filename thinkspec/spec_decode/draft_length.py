@@ -91,6 +91,8 @@ class AdaptiveDraftLength:
         self._grids: dict[int, np.ndarray] = {}
         # (counts [G], best ks of the groups present, whether any drafts, choice number)
         self._cache: tuple[list[int], np.ndarray, bool, int] | None = None
+        # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
+        self.trace: list[dict] | None = None
 
     def choose(self, counts: np.ndarray | list[int]) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0).
@@ -105,8 +107,11 @@ class AdaptiveDraftLength:
         if best is None:
             self.costs.ensure(sum(key))
             grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64))
-            best = grid[:, int(np.argmax(gain / cost))]
+            pick = int(np.argmax(gain / cost))
+            best = grid[:, pick]
             cached = self._cache = (key, best, bool(best.any()), self.num_choices)
+            if self.trace is not None:
+                self._record(key, present, gain, cost, pick)
         assert cached is not None
         drafts = cached[2]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
@@ -118,6 +123,24 @@ class AdaptiveDraftLength:
             g = present[(self.num_choices // period) % len(present)]
             ks[g] = min(self.k_max, ks[g] + 1)
         return ks
+
+    def _record(
+        self, counts: list[int], present: list[int], gain: np.ndarray, cost: np.ndarray, pick: int
+    ) -> None:
+        """One trace entry: the choice and what it was made from (tokens per ms of the chosen and of
+        the plain step, the learned overheads by kmax, the acceptance estimates of the groups present)."""
+        assert self.trace is not None
+        ks = self._grid(len(present))[:, pick].tolist()
+        self.trace.append({
+            "choice": self.num_choices,
+            "counts": counts,
+            "ks": {GROUPS[g]: k for g, k in zip(present, ks)},
+            "tok_per_ms": round(float(gain[pick] / cost[pick]), 4),
+            "plain_tok_per_ms": round(float(gain[0] / cost[0]), 4),  # column 0: every group k = 0
+            "modelled_ms": round(float(cost[pick]), 4),
+            "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
+            "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
+        })  # fmt: skip
 
     def evaluate(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
