@@ -107,11 +107,12 @@ class AdaptiveDraftLength:
         if best is None:
             self.costs.ensure(sum(key))
             grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64))
-            pick = int(np.argmax(gain / cost))
+            rates = gain / cost  # [N] modelled tokens per ms of every choice
+            pick = int(np.argmax(rates))
             best = grid[:, pick]
             cached = self._cache = (key, best, bool(best.any()), self.num_choices)
             if self.trace is not None:
-                self._record(key, present, gain, cost, pick)
+                self._record(key, present, best, rates, cost[pick])
         assert cached is not None
         drafts = cached[2]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
@@ -125,19 +126,19 @@ class AdaptiveDraftLength:
         return ks
 
     def _record(
-        self, counts: list[int], present: list[int], gain: np.ndarray, cost: np.ndarray, pick: int
+        self, counts: list[int], present: list[int], best: np.ndarray, rates: np.ndarray, ms: float
     ) -> None:
-        """One trace entry: the choice and what it was made from (tokens per ms of the chosen and of
-        the plain step, the learned overheads by kmax, the acceptance estimates of the groups present)."""
+        """One trace entry: the choice (best [P], the ks of the groups present) and what it was made
+        from (rates [N]: modelled tokens per ms of every choice, column 0 the plain step; ms: the
+        choice's modelled time; the learned overheads by kmax, the acceptance estimates)."""
         assert self.trace is not None
-        ks = self._grid(len(present))[:, pick].tolist()
         self.trace.append({
             "choice": self.num_choices,
             "counts": counts,
-            "ks": {GROUPS[g]: k for g, k in zip(present, ks)},
-            "tok_per_ms": round(float(gain[pick] / cost[pick]), 4),
-            "plain_tok_per_ms": round(float(gain[0] / cost[0]), 4),  # column 0: every group k = 0
-            "modelled_ms": round(float(cost[pick]), 4),
+            "ks": {GROUPS[g]: int(k) for g, k in zip(present, best)},
+            "tok_per_ms": round(float(rates.max()), 4),
+            "plain_tok_per_ms": round(float(rates[0]), 4),
+            "modelled_ms": round(float(ms), 4),
             "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
             "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
         })  # fmt: skip
