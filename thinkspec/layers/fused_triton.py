@@ -330,7 +330,9 @@ def silu_mul(gate, up, DTYPE: tl.constexpr):
     """SiLU(gate) * up in float32 with the unfused path's roundings: gate and up as the projection
     stores them (rounded to DTYPE), SiLU rounded to DTYPE (`F.silu`), the product left for the
     caller's store to round. Shared by silu_and_mul and the products that fuse it (gemv_triton.py,
-    gemm_skinny_triton.py), so fused and unfused results are the same bits."""
+    gemm_skinny_triton.py), so fused and unfused results round alike (bit for bit under the
+    interpreter; on the H200 over 99.9% of outputs equal at the same launch shape, the rest a
+    rounding apart)."""
     g = gate.to(DTYPE).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(DTYPE)
     return act.to(tl.float32) * up.to(DTYPE).to(tl.float32)

@@ -236,8 +236,9 @@ def skinny_gemm(
     weight.T + bias [M, N] in x's dtype, or in `out` ([M, N], any float dtype: rounded once to it).
 
     glu: weight [2 * N, K] holds gate rows then up rows (bias [2 * N]), and the result is
-    SiLU(gate) * up [M, N], bit for bit what the product followed by fused_triton.silu_and_mul gives
-    at the same launch shape (K is never split: SiLU needs whole sums).
+    SiLU(gate) * up [M, N] with the sums and roundings of the product followed by
+    fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul; K is never split:
+    SiLU needs whole sums).
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(

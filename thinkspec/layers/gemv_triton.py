@@ -156,8 +156,8 @@ def gemv(
     dtype, or in `out` ([M, N], any float dtype: the float32 sums rounded once to it).
 
     glu: weight [2 * N, K] holds gate rows then up rows (bias [2 * N]), and the result is
-    SiLU(gate) * up [M, N]: what the product followed by fused_triton.silu_and_mul gives, bit for bit
-    at the same launch shape (same sums, roundings and SiLU), in one launch.
+    SiLU(gate) * up [M, N] with the sums and roundings of the product followed by
+    fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul), in one launch.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
     x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS, glu, out)
     if done:
