@@ -37,7 +37,9 @@ Every speculating row records its mean acceptance length per repetition (0.0: no
 and, on the toy pair, the problems answered right and its outputs' fingerprints; adaptive rows the
 draft_length_histogram per phase of their last repetition, and choice_trace: every fresh choice of
 that repetition with what it was made from (AdaptiveDraftLength.trace: the learned overheads and
-acceptance estimates, the modelled tokens per ms of the choice and of the plain step).
+acceptance estimates, the modelled tokens per ms of the choice and of the plain step). Every row of
+the speculating engine (fixed k and adaptive) records step_times: its last repetition's timed steps
+by longest window (see step_times), the samples adaptive's cost model learns its overheads from.
 
 Writes JSON (--out; rewritten after every repetition, so a run cut short keeps what it measured)
 and prints a table last.
@@ -268,6 +270,8 @@ def rows_of(stats: dict, batches: list[int], cells) -> list[dict]:
                 row["draft_length_histogram"] = stats["hists"][(cell[0], b)]
             if (cell[0], b) in stats.get("traces", {}):
                 row["choice_trace"] = stats["traces"][(cell[0], b)]
+            if (cell[0], b) in stats.get("steps", {}):
+                row["step_times"] = stats["steps"][(cell[0], b)]
             rows.append(row)
     return rows
 
@@ -365,6 +369,32 @@ def timed_sample(llm: LLM, run: Callable[[], Sample], what: str) -> Sample:
     raise AssertionError("unreachable")
 
 
+def step_times(steps: list[tuple[int, int, float, float]]) -> dict:
+    """A run's timed steps (the speculator's time between the starts of two steps) by longest window
+    kmax: count, median, mean, 10th and 90th percentile wall ms; with a cost model also the mean
+    modelled device ms and the mean and median of wall - modelled (what the learned overhead follows);
+    and the sequence of kmax over the run with each step's wall ms."""
+    out: dict = {"kmax_seq": [s[1] for s in steps], "wall_ms_seq": [round(s[2], 3) for s in steps]}
+    for k in sorted({s[1] for s in steps}):
+        wall = sorted(s[2] for s in steps if s[1] == k)
+        q = statistics.quantiles(wall, n=10) if len(wall) > 1 else wall * 9
+        entry = {
+            "n": len(wall),
+            "median": round(statistics.median(wall), 3),
+            "mean": round(statistics.fmean(wall), 3),
+            "p10": round(q[0], 3),
+            "p90": round(q[-1], 3),
+        }
+        modelled = [s[3] for s in steps if s[1] == k and s[3] == s[3]]  # s[3] == s[3]: not NaN
+        if modelled:
+            extra = [s[2] - s[3] for s in steps if s[1] == k]
+            entry["modelled"] = round(statistics.fmean(modelled), 3)
+            entry["extra_mean"] = round(statistics.fmean(extra), 3)
+            entry["extra_median"] = round(statistics.median(extra), 3)
+        out[str(k)] = entry
+    return out
+
+
 def cost_model_table(costs: StepCostModel, max_batch: int) -> dict:
     """The adaptive engine's cost model as measured and learned: per bucket, verify ms at k = 0..K,
     the draft step ms, and the learned overhead by longest window (None = not measured)."""
@@ -391,7 +421,7 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
         for cell in cells:
             sample(cell, b)[1]()
     stats: dict = {"times": {(c[0], b): [] for c in cells for b in batches}, "hists": {}, "facts": {},
-                   "traces": {}}  # fmt: skip
+                   "traces": {}, "steps": {}}  # fmt: skip
     for r in range(args.repeats):
         for b in batches:
             order = cells[r % len(cells) :] + cells[: r % len(cells)]
@@ -400,10 +430,16 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
                 chooser = choosers[cell[1]] if is_adaptive(cell) else None
                 if chooser is not None:
                     chooser.trace = []  # the choices of this run (the last repetition's are kept)
-                out = timed_sample(*sample(cell, b), what)
+                llm, run = sample(cell, b)
+                policy = llm.llm_engine.speculator.draft_length if cell[2] == "spec" else None
+                if policy is not None:
+                    policy.steps = []  # this run's timed steps (the last repetition's are kept)
+                out = timed_sample(llm, run, what)
                 record(stats, cell, b, out, args, what)
                 if chooser is not None:
                     stats["traces"][(cell[0], b)], chooser.trace = chooser.trace, None
+                if policy is not None:
+                    stats["steps"][(cell[0], b)], policy.steps = step_times(policy.steps), None
                 print(f"  rep {r + 1} {cell[0]} batch {b}: {out[0]:.1f} tok/s", flush=True)
         result["rows"] = rows_of(stats, batches, cells)
         result["summary"] = summarise(result["rows"], batches, args)

@@ -93,6 +93,8 @@ class AdaptiveDraftLength:
         self._cache: tuple[list[int], np.ndarray, bool, int] | None = None
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
+        # A list to record every timed step in, (rows, kmax, wall ms, modelled device ms), or None
+        self.steps: list[tuple[int, int, float, float]] | None = None
 
     def choose(self, counts: np.ndarray | list[int]) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0).
@@ -211,7 +213,10 @@ class AdaptiveDraftLength:
         """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain)."""
         if len(row_ks):
             kmax = int(row_ks.max())
-            self.costs.observe(len(row_ks), kmax, wall_ms, self.modelled_ms(row_ks, kmax))
+            modelled = self.modelled_ms(row_ks, kmax)
+            self.costs.observe(len(row_ks), kmax, wall_ms, modelled)
+            if self.steps is not None:
+                self.steps.append((len(row_ks), kmax, wall_ms, modelled))
 
 
 class ForcedDraftLength:
@@ -221,6 +226,8 @@ class ForcedDraftLength:
         self.k_max = k_max
         self.pick = pick
         self.num_choices = 0
+        # As AdaptiveDraftLength's (modelled ms NaN: no cost model)
+        self.steps: list[tuple[int, int, float, float]] | None = None
 
     @classmethod
     def fixed(cls, k_max: int, k: int) -> ForcedDraftLength:
@@ -236,5 +243,6 @@ class ForcedDraftLength:
     def observe(self, *args: object) -> None:
         pass
 
-    def observe_time(self, *args: object) -> None:
-        pass
+    def observe_time(self, row_ks: np.ndarray, wall_ms: float) -> None:
+        if self.steps is not None and len(row_ks):
+            self.steps.append((len(row_ks), int(row_ks.max()), wall_ms, float("nan")))
