@@ -12,9 +12,17 @@ times --steps steady-state decode steps two ways:
             whenever the host keeps ahead.
   device    the same steps under torch.profiler (CUDA only): device busy time per step (sum of
             kernel and copy durations), idle = wall - busy, and the kernels outside CUDA graphs
+With --spec K the engine speculates with a Qwen3-0.6B-shaped draft (dummy weights), every step
+drafting K tokens per row, acceptance synthetic (--spec-rate: each draft accepted with that
+probability given the ones before it were); the phases are then schedule, propose (the draft's
+forwards and sampling), pack (the verify batch), verify_forward (the target's execute_model),
+accept (rejection sampling, the phase bookkeeping), fetch (the one device->host copy, which waits for
+the device), outcomes, apply (the scheduler's commit) and rest, each the median over the steps; the
+device profile shows what of the step the graph replays do not cover.
 Writes JSON (--out) and prints a short table last.
 
     python benchmarks/profile_step.py --out step.json                       # H200, batch 1
+    python benchmarks/profile_step.py --batch 64 --spec 3 --out spec.json   # H200, speculative step
     python benchmarks/profile_step.py --small --device cpu --steps 5        # smoke test
 """
 
@@ -29,22 +37,45 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_spec_round import QWEN3_8B, SMALL_TARGET, write_config
+from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.engine import speculator as speculator_module
 
 
-def _timed(obj: object, name: str, sink: dict[str, float]) -> None:
-    """Wrap obj.name so each call adds its wall time (ms) to sink[name]."""
-    fn = getattr(obj, name)
+def _wrap(obj: object, attr: str, name: str, sums: dict[str, float]) -> None:
+    """Replace obj.attr by a wrapper that adds each call's wall time (ms) to sums[name]."""
+    fn = getattr(obj, attr)
 
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        sink[name] += (time.perf_counter() - t0) * 1e3
+        sums[name] += (time.perf_counter() - t0) * 1e3
         return out
 
-    setattr(obj, name, wrapper)
+    setattr(obj, attr, wrapper)
+
+
+# Step phases: (attribute path from the engine, name in the table)
+SPEC_PHASES = (
+    ("scheduler.schedule", "schedule"), ("speculator.proposer.propose", "propose"),
+    ("speculator._build_verify_batch", "pack"), ("speculator.target_runner.execute_model", "verify_forward"),
+    ("speculator._verify", "accept"), ("speculator._outcomes", "outcomes"), ("scheduler.apply", "apply"),
+)  # fmt: skip
+PLAIN_PHASES = (
+    ("scheduler.schedule", "schedule"), ("model_runner.execute_model", "execute_model"),
+    ("sampler", "sample"),
+)  # fmt: skip
+
+
+def _time_phases(engine, phases, sums: dict[str, float]) -> None:
+    """Wrap each phase's method (see _wrap); the sums are keyed by the phases' names."""
+    for path, name in phases:
+        *parents, attr = path.split(".")
+        obj = engine
+        for part in parents:
+            obj = getattr(obj, part)
+        _wrap(obj, attr, name, sums)
 
 
 def main() -> None:
@@ -55,6 +86,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--spec", type=int, default=0, help="speculate with K drafts per row (0: plain steps)")
+    ap.add_argument("--spec-rate", type=float, default=0.8, help="synthetic acceptance rate (--spec)")
     ap.add_argument("--engine-args", default="{}", help="extra LLM(...) keyword arguments as JSON")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -65,13 +98,21 @@ def main() -> None:
         engine_args = dict(
             device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16",
             load_format="dummy", skip_tokenizer_init=True, max_num_seqs=max(args.batch, 1),
-            max_model_len=args.prompt_len + args.warmup + 2 * args.steps + 16,
+            max_model_len=args.prompt_len + (args.warmup + 2 * args.steps) * (args.spec + 1) + 16,
         )  # fmt: skip
+        if args.spec:
+            draft = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
+            engine_args["speculative_config"] = {
+                "model": str(draft), "num_speculative_tokens": args.spec,
+                "synthetic_acceptance_rate": args.spec_rate,
+            }  # fmt: skip
         # --engine-args overrides, e.g. '{"max_model_len": 32768}' (split-KV follows max_model_len)
         llm = LLM(folder, **{**engine_args, **json.loads(args.engine_args)})
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=args.warmup + 2 * args.steps + 8, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=(args.warmup + 2 * args.steps + 8) * (args.spec + 1), ignore_eos=True
+    )
     for i in range(args.batch):
         ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
         engine.add_request({"prompt_token_ids": ids}, params, str(i))
@@ -83,9 +124,12 @@ def main() -> None:
             torch.cuda.synchronize(device)
 
     sums: dict[str, float] = defaultdict(float)
-    _timed(engine.scheduler, "schedule", sums)
-    _timed(engine.model_runner, "execute_model", sums)
-    _timed(engine, "sampler", sums)
+    phase_names = [name for _, name in (SPEC_PHASES if args.spec else PLAIN_PHASES)]
+    _time_phases(engine, SPEC_PHASES if args.spec else PLAIN_PHASES, sums)
+    if args.spec:
+        # a classmethod: the wrapper goes on the class, called through it as the speculator does
+        _wrap(speculator_module.HostPack, "fetch", "fetch", sums)
+        phase_names.append("fetch")
     rows = []
     sync()
     start = time.perf_counter()
@@ -94,20 +138,19 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.step()
         wall = (time.perf_counter() - t0) * 1e3
-        rows.append(dict(wall=wall, **sums))
+        rows.append(dict(wall=wall, **{n: sums.get(n, 0.0) for n in phase_names}))
     sync()
     phases = {
         "step_mean": (time.perf_counter() - start) * 1e3 / args.steps,
         "step": statistics.median(r["wall"] for r in rows),
         "step_min": min(r["wall"] for r in rows),
         "step_max": max(r["wall"] for r in rows),  # a lazy graph capture or an eager step shows here
-        "schedule": statistics.median(r["schedule"] for r in rows),
-        "execute_model": statistics.median(r["execute_model"] for r in rows),
-        "sample": statistics.median(r["sampler"] for r in rows),
-        "wait_and_commit": statistics.median(
-            r["wall"] - r["schedule"] - r["execute_model"] - r["sampler"] for r in rows
-        ),
     }
+    for name in phase_names:
+        phases[name] = statistics.median(r[name] for r in rows)
+    # plain: the device->host copy (waits for the device) and the commit; spec: what no phase covers
+    rest = "rest" if args.spec else "wait_and_commit"
+    phases[rest] = statistics.median(r["wall"] - sum(r[n] for n in phase_names) for r in rows)
 
     device_stats = None
     if device.type == "cuda":
@@ -140,11 +183,13 @@ def main() -> None:
     result = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         shape="small" if args.small else "Qwen3-8B", batch=args.batch, prompt_len=args.prompt_len,
-        steps=args.steps, floor_ms=floor_ms, phases_ms=phases, device_profile=device_stats,
+        spec_k=args.spec, spec_rate=args.spec_rate if args.spec else None, steps=args.steps,
+        floor_ms=floor_ms, phases_ms=phases, device_profile=device_stats,
     )  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"engine step, {result['shape']}, batch {args.batch}, floor {floor_ms:.2f} ms (medians, ms)")
+    what = f"speculative step (k={args.spec}, rate {args.spec_rate})" if args.spec else "engine step"
+    print(f"{what}, {result['shape']}, batch {args.batch}, floor {floor_ms:.2f} ms (medians, ms)")
     print("  " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     if device_stats:
         d = device_stats

@@ -32,8 +32,9 @@
 #               (benchmarks/host_noise.py; HOST_ARGS, default "--seconds 30")
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
-#               "batch[:max_model_len[:sync]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
-#               max_model_len when empty; sync = async_scheduling off); STEP_ARGS go to every run
+#               "batch[:max_model_len[:mode]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
+#               max_model_len when empty; mode sync = async_scheduling off, specK = speculative steps
+#               drafting K tokens per row, e.g. "64::spec3"); STEP_ARGS go to every run
 #               (e.g. "--prompt-len 384" for a longer context)
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") on the bundled pair's
 #               data (the difficulty range, rows of 2,048) and screen them with the simulated
@@ -172,8 +173,10 @@ if has step; then
     args=()
     [ -n "$len" ] && args+=("\"max_model_len\": $len")
     [ "$mode" = sync ] && args+=("\"async_scheduling\": false")
+    spec=()
+    [[ "$mode" == spec* ]] && spec=(--spec "${mode#spec}")
     name="step_${bs}_${len:-short}${mode:+_$mode}"
-    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" ${STEP_ARGS:-} \
+    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" "${spec[@]}" ${STEP_ARGS:-} \
       --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21
     record "step batch $bs max_model_len ${len:-short} ${mode:-async}" "${PIPESTATUS[0]}" "${STEP_TIMEOUT:-150}"
     steps+=("$OUT/$name.json")

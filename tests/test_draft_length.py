@@ -42,13 +42,23 @@ def test_expected_tokens():
 
 
 def test_estimates_count_tried_and_accepted_positions():
-    est = AcceptanceEstimates(K, prior=0.5, alpha=1.0)  # alpha 1: the last step's ratio
+    est = AcceptanceEstimates(K, prior=0.5, alpha=1.0, max_weight=1.0)  # the last step's ratio
     groups = np.array([THINKING, THINKING, ANSWER])
     est.observe(groups, num_drafts=np.array([4, 2, 3]), num_accepted=np.array([1, 2, 0]))
     # thinking: pos 0 tried by both, accepted by both; pos 1 tried by both, accepted by row 1;
     # pos 2 tried by neither (row 0 stopped at 1, row 1 drafted 2). answer: pos 0 tried, rejected.
     np.testing.assert_allclose(est.rates[THINKING], [1.0, 0.5, 0.5, 0.5])
     np.testing.assert_allclose(est.rates[ANSWER], [0.0, 0.5, 0.5, 0.5])
+
+
+def test_one_step_weighs_at_most_max_weight():
+    """Many rows in one step move the estimate by at most max_weight of the way; one row by alpha."""
+    est = AcceptanceEstimates(K, prior=0.5, alpha=0.05, max_weight=0.2)
+    rows = np.full(64, THINKING)
+    est.observe(rows, num_drafts=np.full(64, 1), num_accepted=np.full(64, 1))  # 64 tries, all accepted
+    np.testing.assert_allclose(est.rates[THINKING, 0], 0.5 + 0.2 * 0.5)
+    est.observe(np.array([ANSWER]), num_drafts=np.array([1]), num_accepted=np.array([0]))
+    np.testing.assert_allclose(est.rates[ANSWER, 0], 0.5 - 0.05 * 0.5)
 
 
 def test_choice_follows_acceptance_per_group():

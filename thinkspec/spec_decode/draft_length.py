@@ -34,6 +34,9 @@ GROUPS = ("answer", "thinking", "thinking_relaxed")
 ANSWER, THINKING, THINKING_RELAXED = range(3)
 PRIOR_RATE = 0.7  # c[g, i] before anything is observed: optimistic enough to try speculation
 RATE_ALPHA = 0.05  # weight of one observed draft in the EMA of its position's acceptance (~20 drafts)
+# At most this weight for one step's drafts however many rows tried: at batch 64 the 64 tries of one
+# step would otherwise weigh 96%, and the estimate (and the choice) would follow one step's noise.
+MAX_STEP_WEIGHT = 0.2
 PROBE_PERIOD = 32
 REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
 # An all-plain choice learns nothing about acceptance while it lasts (no row drafts), only the cost
@@ -58,9 +61,16 @@ def expected_tokens(rates: np.ndarray) -> np.ndarray:
 class AcceptanceEstimates:
     """c[g, i] for every group and draft position (see the module docstring)."""
 
-    def __init__(self, k_max: int, prior: float = PRIOR_RATE, alpha: float = RATE_ALPHA) -> None:
+    def __init__(
+        self,
+        k_max: int,
+        prior: float = PRIOR_RATE,
+        alpha: float = RATE_ALPHA,
+        max_weight: float = MAX_STEP_WEIGHT,
+    ) -> None:
         self.rates = np.full((len(GROUPS), k_max), prior)  # [G, K]
         self.alpha = alpha
+        self.max_weight = max_weight
 
     def observe(
         self,
@@ -69,14 +79,15 @@ class AcceptanceEstimates:
         num_accepted: np.ndarray,  # [S] int, of which accepted
     ) -> None:
         """Position i of a row was tried when i < num_drafts and i <= num_accepted (drafts before it
-        were accepted), and accepted when i < num_accepted. t tries weigh as t EMA steps."""
+        were accepted), and accepted when i < num_accepted. t tries weigh as t EMA steps, together
+        at most max_weight."""
         num_groups, k = self.rates.shape
         pos = np.arange(k)
         tried = (pos[None, :] < num_drafts[:, None]) & (pos[None, :] <= num_accepted[:, None])  # [S, K]
         accepted = tried & (pos[None, :] < num_accepted[:, None])  # [S, K]
         onehot = (groups[None, :] == np.arange(num_groups)[:, None]).astype(np.float64)  # [G, S]
         t, a = onehot @ tried, onehot @ accepted  # [G, K] each
-        weight = 1.0 - (1.0 - self.alpha) ** t
+        weight = np.minimum(1.0 - (1.0 - self.alpha) ** t, self.max_weight)
         self.rates += weight * (np.divide(a, t, out=np.zeros_like(a), where=t > 0) - self.rates)
 
 
