@@ -13,6 +13,7 @@ from thinkspec.engine.factory import target_graph_widths
 from thinkspec.spec_decode.draft_length import (
     ANSWER,
     GROUPS,
+    PLAIN_MARGIN,
     PROBE_PERIOD,
     REFRESH,
     REFRESH_PLAIN,
@@ -86,6 +87,26 @@ def test_cost_of_verify_width_shortens_drafts():
     for c in (cheap, dear):
         c.estimates.rates[:] = 0.7
     assert dear.choose(counts)[THINKING] < cheap.choose(counts)[THINKING] == K
+
+
+def test_drafting_must_beat_plain_by_the_margin():
+    """A choice modelled a little above the plain step (under PLAIN_MARGIN) keeps the plain step; a
+    clear win drafts. Costs: plain 5 ms, a draft step 0.5 ms, verify as plain; one row drafting k=1
+    emits 1 + c tokens in 5.5 ms against 1 in 5 ms."""
+    counts = np.array([0, 1, 0])
+    for rate, drafts in (
+        (1.1 * (1 + PLAIN_MARGIN) - 1 - 0.01, False),
+        (1.1 * (1 + PLAIN_MARGIN) - 1 + 0.01, True),
+    ):
+        chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+        chooser.estimates.rates[:] = 0.0
+        chooser.estimates.rates[THINKING, 0] = rate  # only k = 1 can pay: later positions accept nothing
+        chooser.trace = []
+        ks = chooser.choose(counts)
+        assert bool(ks.any()) == drafts, rate
+        entry = chooser.trace[0]
+        # both sides of the margin rate drafting above plain; only a clear win is taken
+        assert entry["best_drafting_tok_per_ms"] > entry["plain_tok_per_ms"]
 
 
 def test_mixed_step_cost_counts_only_rows_still_drafting():
