@@ -14,6 +14,8 @@ from thinkspec.spec_decode.draft_length import (
     ANSWER,
     GROUPS,
     PLAIN_MARGIN,
+    PLAIN_PROBE_PERIOD,
+    PLAIN_PROBE_ROWS,
     PROBE_PERIOD,
     REFRESH,
     REFRESH_PLAIN,
@@ -154,6 +156,65 @@ def test_probing_recovers_a_pessimistic_estimate():
             accepted = np.cumprod(rng.random((4, k)) < 0.9, axis=1).sum(axis=1)
             chooser.observe(np.full(4, THINKING), np.full(4, k), accepted)
     assert first == 0 and ks[-1] >= K - 1
+
+
+def test_a_probe_out_of_plain_decoding_drafts_a_few_rows():
+    """While drafting, a probe lengthens the group's k for every row (probe_rows None); out of plain
+    decoding only PLAIN_PROBE_ROWS rows draft, since each first catches its draft up."""
+    counts = np.array([0, 64, 0])
+    for rate, period, rows in ((0.5, PROBE_PERIOD, None), (0.0, PLAIN_PROBE_PERIOD, PLAIN_PROBE_ROWS)):
+        chooser = AdaptiveDraftLength(K, _costs())
+        chooser.estimates.rates[:] = rate
+        seen = []
+        for _ in range(period):
+            ks = chooser.choose(counts)
+            seen.append((int(ks[THINKING]), chooser.probe_rows))
+        base = seen[0][0]
+        assert base < K
+        assert seen[:-1] == [(base, None)] * (period - 1)
+        assert seen[-1] == (base + 1, rows)
+        chooser.choose(counts)
+        assert chooser.probe_rows is None
+
+
+def test_engine_probes_out_of_plain_decoding_with_a_few_rows(monkeypatch):
+    """End to end on CPU: drafts never accepted, so the engine decodes plainly and probes now and
+    then; a probe step drafts for PLAIN_PROBE_ROWS of the 6 rows only, and the output is plain greedy's."""
+    from thinkspec.spec_decode import draft_length
+
+    monkeypatch.setattr(draft_length, "PLAIN_PROBE_PERIOD", 8)
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_rate": 0.0,
+           "adaptive_k": True}  # fmt: skip
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    spec = llm.llm_engine.speculator
+    spec.draft_length.observe_time = lambda *args: None  # device model only
+    drafting = []  # rows drafting, per step
+    observe = SpecDecodeMetrics.observe_draft_lengths
+
+    def counting(metrics, ks, thinking):
+        drafting.append(int((ks > 0).sum()))
+        observe(metrics, ks, thinking)
+
+    monkeypatch.setattr(SpecDecodeMetrics, "observe_draft_lengths", counting)
+    observe_plain = SpecDecodeMetrics.observe_plain_rows
+
+    def counting_plain(metrics, *args):
+        drafting.append(0)
+        observe_plain(metrics, *args)
+
+    monkeypatch.setattr(SpecDecodeMetrics, "observe_plain_rows", counting_plain)
+    prompts = [[72, 105, 33], [65, 66], [1, 2, 3, 4], [9], [40, 41], [7, 8, 9]]
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    plain = LLM(target, device="cpu").generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    # the first step samples each request's first token plainly; then rows draft until the estimates
+    # learn that nothing is accepted, and decode plainly from there
+    first_draft = next(i for i, n in enumerate(drafting) if n)
+    first_plain = next(i for i in range(first_draft, len(drafting)) if drafting[i] == 0)
+    probes = [n for n in drafting[first_plain:] if n]
+    assert len(probes) >= 3 and max(probes) == draft_length.PLAIN_PROBE_ROWS
 
 
 @pytest.mark.parametrize(("rate", "period"), [(0.9, REFRESH), (0.0, REFRESH_PLAIN)], ids=["draft", "plain"])

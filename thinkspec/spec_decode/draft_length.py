@@ -15,7 +15,8 @@ zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
 than its best k, which measures the next position (every PLAIN_PROBE_PERIOD-th while all groups
-decode plainly, since then the draft model has to catch up first).
+decode plainly, and then only PLAIN_PROBE_ROWS of the group's rows: the draft model has to catch up
+first, over every token since, for each row that drafts; `probe_rows` tells the engine).
 
 `ForcedDraftLength` replaces the choice by a function of the step (tests, benchmarks: a fixed k, or
 k varying per step and group to exercise mixed windows).
@@ -49,8 +50,10 @@ REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about t
 # model's overheads move: reuse it longer, so that plain steps pay almost no host time for choosing.
 REFRESH_PLAIN = 32
 # While every group decodes plainly the draft model falls behind, and a probe first catches it up
-# over every token since: probe more rarely there.
+# over every token since: probe more rarely there, and with a few rows only (the catch-up of every
+# row of a batch of 64 after 256 plain steps is a 16k-token draft forward, ~8% of the time probed).
 PLAIN_PROBE_PERIOD = 256
+PLAIN_PROBE_ROWS = 4
 
 
 def group_of(thinking: bool, relaxed: bool) -> int:
@@ -110,6 +113,9 @@ class AdaptiveDraftLength:
         self._cache: tuple[list[int], np.ndarray, bool, int] | None = None
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
+        # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
+        # plain decoding, None = every row of each group (read by the engine right after choose)
+        self.probe_rows: int | None = None
         # A list to record every timed step in, (rows, kmax, wall ms, modelled device ms), or None
         self.steps: list[tuple[int, int, float, float]] | None = None
 
@@ -118,6 +124,7 @@ class AdaptiveDraftLength:
         A reused all-plain choice takes the plain-Python path: it runs before every plain step."""
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
+        self.probe_rows = None
         if not present:
             return np.zeros(len(GROUPS), dtype=np.int64)
         self.num_choices += 1
@@ -144,6 +151,8 @@ class AdaptiveDraftLength:
         if probe:
             g = present[(self.num_choices // period) % len(present)]
             ks[g] = min(self.k_max, ks[g] + 1)
+            if not drafts:
+                self.probe_rows = PLAIN_PROBE_ROWS
         return ks
 
     def _record(
@@ -247,6 +256,7 @@ class ForcedDraftLength:
         self.k_max = k_max
         self.pick = pick
         self.num_choices = 0
+        self.probe_rows: int | None = None  # every row drafts its group's k
         # As AdaptiveDraftLength's (modelled ms NaN: no cost model)
         self.steps: list[tuple[int, int, float, float]] | None = None
 
