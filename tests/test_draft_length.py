@@ -20,6 +20,7 @@ from thinkspec.spec_decode.draft_length import (
     REFRESH,
     REFRESH_PLAIN,
     THINKING,
+    WINDOW_TOLERANCE,
     AcceptanceEstimates,
     AdaptiveDraftLength,
     expected_tokens,
@@ -87,7 +88,7 @@ def test_cost_of_verify_width_shortens_drafts():
     cheap = AdaptiveDraftLength(K, _costs(per_token=0.0))
     dear = AdaptiveDraftLength(K, _costs(per_token=0.02))
     for c in (cheap, dear):
-        c.estimates.rates[:] = 0.7
+        c.estimates.rates[:] = 0.8
     assert dear.choose(counts)[THINKING] < cheap.choose(counts)[THINKING] == K
 
 
@@ -109,6 +110,20 @@ def test_drafting_must_beat_plain_by_the_margin():
         entry = chooser.trace[0]
         # both sides of the margin rate drafting above plain; only a clear win is taken
         assert entry["best_drafting_tok_per_ms"] > entry["plain_tok_per_ms"]
+
+
+def test_the_cheapest_window_within_the_tolerance_is_taken():
+    """One row, plain 5 ms, draft steps 0.5 ms, verify as plain: at c = 0.7 k = 4 is modelled best
+    (2.773 tokens in 7 ms) but k = 3 (2.533 in 6.5 ms) is within WINDOW_TOLERANCE of it and cheaper;
+    at c = 0.8 k = 4 (3.362 in 7 ms) leads k = 3 (2.952 in 6.5 ms) by more, and is taken."""
+    assert WINDOW_TOLERANCE < 1 - (2.533 / 6.5) / (2.7731 / 7) + 0.02  # k = 3 is 1.6% below k = 4
+    for rate, k in ((0.7, 3), (0.8, 4)):
+        chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+        chooser.estimates.rates[:] = rate
+        chooser.trace = []
+        assert chooser.choose(np.array([0, 1, 0]))[THINKING] == k, rate
+        entry = chooser.trace[0]
+        assert (entry["tok_per_ms"] < entry["best_drafting_tok_per_ms"]) == (k == 3)
 
 
 def test_mixed_step_cost_counts_only_rows_still_drafting():
@@ -271,7 +286,7 @@ def test_config():
     assert target_graph_widths(4) == (1, 2, 5)
 
 
-@pytest.mark.parametrize("rate, max_tokens", [(0.0, 150), (1.0, 60)])
+@pytest.mark.parametrize("rate, max_tokens", [(0.0, 150), (1.0, 120)])
 def test_engine_chooses_by_acceptance(rate, max_tokens):
     """End to end on CPU: the acceptance the engine sees drives the choice. Drafts never accepted
     turn speculation off (plain steps), drafts always accepted get the full K."""
@@ -293,23 +308,26 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
     if rate == 0.0:
         assert hist[0] > 0.7 * sum(hist)  # plain rows once learnt, with a probe now and then
     else:
-        assert hist[K] > 0.7 * sum(hist)  # the rest: the last steps, capped by max_tokens
+        # K once learnt; before, the prior (c = 0.7) rates K - 1 within WINDOW_TOLERANCE of K for a
+        # refresh period; the last steps are capped by max_tokens
+        assert hist[K] > 0.6 * sum(hist)
 
 
 def test_engine_chooses_per_phase_group():
-    """The synthetic profile's phases (thinking for the first 40 tokens: every draft accepted; then
+    """The synthetic profile's phases (thinking for the first 100 tokens: every draft accepted; then
     answer: none) are the groups the chooser learns: thinking rows draft K, answer rows stop."""
     target = tiny_checkpoint("qwen3", tied=True)
-    profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 40}
+    profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 100}
     cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile,
            "adaptive_k": True}  # fmt: skip
     llm = LLM(target, device="cpu", speculative_config=cfg)
     llm.llm_engine.speculator.draft_length.observe_time = lambda *args: None  # device model only
-    sp = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
     m = llm.last_spec_metrics
     think, answer = m.thinking.draft_length_histogram, m.answer.draft_length_histogram
-    assert think[K] >= 0.7 * sum(think) and answer[0] >= 0.6 * sum(answer)
+    # thinking: K once learnt (the prior's first refresh period drafts K - 1, see above)
+    assert think[K] >= 0.6 * sum(think) and answer[0] >= 0.6 * sum(answer)
     assert m.thinking.num_accepted_tokens == m.thinking.num_draft_tokens > 0
     assert m.answer.num_accepted_tokens == 0
 
