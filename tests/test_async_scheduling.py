@@ -146,6 +146,34 @@ def test_the_last_step_commits_without_a_wasted_launch():
     assert_all_blocks_free(engine)
 
 
+def test_rows_that_finish_by_length_leave_without_breaking_the_overlap():
+    """Requests of different max_tokens: the step after the one that gives a request its last token
+    still launches ahead of that step's commit, over the others only; outputs equal synchronous
+    stepping and every decode step runs ahead."""
+    path = tiny_checkpoint("qwen3", tied=False)
+    sync, overlap = _pair(path)
+    engine = overlap.llm_engine
+    ahead = _count_run_ahead(engine)
+    launches = []
+    original = engine.model_runner.execute_model
+
+    def execute_model(seqs, *args, **kwargs):
+        launches.append(len(seqs))
+        return original(seqs, *args, **kwargs)
+
+    engine.model_runner.execute_model = execute_model
+    prompts = [random_ids(5, 1), random_ids(7, 2), random_ids(4, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 9, 6)]
+    want = sync.generate(prompts, params, use_tqdm=False)
+    got = overlap.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(o.outputs[0].finish_reason == "length" for o in got)
+    # one prefill, then 8 decodes (the longest request's 9 tokens): 3 rows, then 2, then 1
+    assert launches == [3, 3, 3, 3, 2, 2, 1, 1, 1]
+    assert ahead[0] == len(launches) - 1
+    assert_all_blocks_free(engine)
+
+
 def test_speculative_decoding_refuses_async_scheduling():
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="async_scheduling=True .* speculative"):

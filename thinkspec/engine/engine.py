@@ -283,15 +283,17 @@ class LLMEngine:
         return outputs + self._plain_step(sched, flight, finished_only)
 
     def _runs_ahead(self, flight: InFlight) -> bool:
-        """Whether the next step may launch before the step in flight commits: it decodes exactly
-        the same sequences (Scheduler.can_run_ahead) and, with adaptive_k, is a plain step too."""
+        """Whether the next step may launch before the step in flight commits: it decodes the same
+        sequences but those its tokens finish by length (Scheduler.can_run_ahead) and, with
+        adaptive_k, is a plain step too."""
         pending = [s for _, s in flight.pending]
         if not (self.async_scheduling and self.scheduler.can_run_ahead(pending)):
             return False
         if self.speculator is None:
             return True
-        n = len(pending)
-        return self.speculator.plan(pending, [1] * n, [True] * n)
+        rows = [s for s in pending if not self.scheduler.ends_with_pending(s)]
+        n = len(rows)
+        return self.speculator.plan(rows, [1] * n, [True] * n)
 
     def settle_in_flight(self, finished_only: bool) -> list[RequestOutput]:
         """Commit a step left in flight, if any (fault recovery starts from committed state)."""

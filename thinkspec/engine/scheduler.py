@@ -107,6 +107,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.ends_with_pending(seq):  # finishes when the step in flight commits: nothing to run
+                i += 1
+                continue
             num_new = min(self._num_to_compute(seq, seq.num_computed_tokens, num_lookahead_tokens), budget)
             need = self._slots_needed(seq, seq.num_computed_tokens, num_new, num_lookahead_tokens)
             if need > len(seq.block_table) * bm.block_size:  # a usual decode step needs no new block
@@ -218,10 +221,21 @@ class Scheduler:
             seq.token_ids.pop()
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
+    def ends_with_pending(self, seq: Sequence) -> bool:
+        """seq holds a pending token that finishes it by length (max_tokens, max_model_len): known
+        finished before the token arrives, so no later step decodes it."""
+        if not seq.token_ids or seq.token_ids[-1] != PENDING_TOKEN:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        )
+
     def can_run_ahead(self, pending: Seq[Sequence]) -> bool:
         """Whether the next step may launch before pending's tokens commit: it must decode exactly
-        those sequences, none of which can finish by length with its pending token (those are known
-        finished), with no preemption for KV blocks."""
+        those sequences but the ones that finish by length with their pending token (schedule()
+        leaves those out; with none left it comes back empty and the step in flight commits), with
+        no preemption for KV blocks."""
         if self.waiting or not self.running or len(self.running) > self.max_num_batched_tokens:
             return False
         ids = {id(seq) for seq in pending}
@@ -230,11 +244,8 @@ class Scheduler:
         for seq in self.running:
             if id(seq) not in ids or seq.num_tokens - seq.num_computed_tokens != 1:
                 return False
-            max_tokens = seq.sampling_params.max_tokens
-            if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
-                seq.num_tokens >= self.max_model_len
-            ):
-                return False
+            if self.ends_with_pending(seq):
+                continue
             # The pending token may spend the thinking budget; the next step must then be forced.
             budget = seq.sampling_params.thinking_token_budget
             if budget is not None and seq.num_thinking_tokens + 1 >= budget:
