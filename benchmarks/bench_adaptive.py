@@ -39,7 +39,8 @@ draft_length_histogram per phase of their last repetition, and choice_trace: eve
 that repetition with what it was made from (AdaptiveDraftLength.trace: the learned overheads and
 acceptance estimates, the modelled tokens per ms of the choice and of the plain step). Every row of
 the speculating engine (fixed k and adaptive) records step_times: its last repetition's timed steps
-by longest window (see step_times), the samples adaptive's cost model learns its overheads from.
+by longest window (see step_times), the samples adaptive's cost model learns its overheads from,
+and step_times_by_rep, the same without the per-step sequences for every repetition.
 
 Writes JSON (--out; rewritten after every repetition, so a run cut short keeps what it measured)
 and prints a table last.
@@ -270,8 +271,12 @@ def rows_of(stats: dict, batches: list[int], cells) -> list[dict]:
                 row["draft_length_histogram"] = stats["hists"][(cell[0], b)]
             if (cell[0], b) in stats.get("traces", {}):
                 row["choice_trace"] = stats["traces"][(cell[0], b)]
-            if (cell[0], b) in stats.get("steps", {}):
-                row["step_times"] = stats["steps"][(cell[0], b)]
+            if (cell[0], b) in stats.get("steps", {}):  # the last repetition's in full, every one's summary
+                reps = stats["steps"][(cell[0], b)]
+                row["step_times"] = reps[-1]
+                row["step_times_by_rep"] = [
+                    {k: v for k, v in st.items() if not k.endswith("_seq")} for st in reps
+                ]
             rows.append(row)
     return rows
 
@@ -373,8 +378,10 @@ def step_times(steps: list[tuple[int, int, float, float]]) -> dict:
     """A run's timed steps (the speculator's time between the starts of two steps) by longest window
     kmax: count, median, mean, 10th and 90th percentile wall ms; with a cost model also the mean
     modelled device ms and the mean and median of wall - modelled (what the learned overhead follows);
-    and the sequence of kmax over the run with each step's wall ms."""
-    out: dict = {"kmax_seq": [s[1] for s in steps], "wall_ms_seq": [round(s[2], 3) for s in steps]}
+    the number of steps and their total ms; and the sequence of kmax over the run with each step's
+    wall ms (a run dropped for a build and run again logs both)."""
+    out: dict = {"kmax_seq": [s[1] for s in steps], "wall_ms_seq": [round(s[2], 3) for s in steps],
+                 "num_steps": len(steps), "timed_ms": round(sum(s[2] for s in steps), 2)}  # fmt: skip
     for k in sorted({s[1] for s in steps}):
         wall = sorted(s[2] for s in steps if s[1] == k)
         q = statistics.quantiles(wall, n=10) if len(wall) > 1 else wall * 9
@@ -439,7 +446,8 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
                 if chooser is not None:
                     stats["traces"][(cell[0], b)], chooser.trace = chooser.trace, None
                 if policy is not None:
-                    stats["steps"][(cell[0], b)], policy.steps = step_times(policy.steps), None
+                    stats["steps"].setdefault((cell[0], b), []).append(step_times(policy.steps))
+                    policy.steps = None
                 print(f"  rep {r + 1} {cell[0]} batch {b}: {out[0]:.1f} tok/s", flush=True)
         result["rows"] = rows_of(stats, batches, cells)
         result["summary"] = summarise(result["rows"], batches, args)

@@ -3,9 +3,10 @@
 Builds the engine on Qwen3-8B-shaped random weights (`--small` for a CPU smoke test), starts
 --batch requests of --prompt-len random tokens (greedy, EOS ignored), runs --warmup steps, then
 times --steps steady-state decode steps two ways:
-  phases    steps run back to back (as generate() runs them); step_mean = their wall time / steps; each
-            step's wall time split into schedule, execute_model (input packing, graph replay or
-            eager forward, logits), sample (the sampler's launches), wait + commit (the rest: the
+  phases    steps run back to back (as generate() runs them: outputs of finished requests only,
+            none here); step_mean = their wall time / steps; each step's wall time split into
+            schedule, execute_model (input packing, graph replay or eager forward, logits),
+            sample (the sampler's launches), wait + commit (the rest: the
             device->host copy of the tokens, which waits for the device, and the scheduler's
             postprocess and outputs), each the median over the steps (ms). With async scheduling a
             step waits for the previous one's tokens, so its wall time is the device's step time
@@ -117,7 +118,7 @@ def main() -> None:
         ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
         engine.add_request({"prompt_token_ids": ids}, params, str(i))
     for _ in range(args.warmup):  # prefill, then decode steps: graphs for this batch are captured
-        engine.step()
+        engine.step(finished_only=True)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -136,7 +137,7 @@ def main() -> None:
     for _ in range(args.steps):  # back to back, as generate() steps (no sync between steps)
         sums.clear()
         t0 = time.perf_counter()
-        engine.step()
+        engine.step(finished_only=True)
         wall = (time.perf_counter() - t0) * 1e3
         rows.append(dict(wall=wall, **{n: sums.get(n, 0.0) for n in phase_names}))
     sync()
@@ -159,7 +160,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(args.steps):
-                engine.step()
+                engine.step(finished_only=True)
             sync()
         wall = (time.perf_counter() - t0) * 1e3 / args.steps
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

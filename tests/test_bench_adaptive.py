@@ -54,6 +54,18 @@ def test_bench_adaptive_toy_smoke(tmp_path):
         trace = rows[("toy adaptive", b)]["choice_trace"]  # at least the first choice of the run
         assert trace and all(len(t["overhead_ms"]) == K_MAX + 1 and t["tok_per_ms"] > 0 for t in trace)
         assert "choice_trace" not in rows[("toy k=1", b)]
+        for cell in ("toy k=1", "toy k=2", "toy adaptive"):  # every speculating row logs its timed steps
+            last, by_rep = rows[(cell, b)]["step_times"], rows[(cell, b)]["step_times_by_rep"]
+            assert len(by_rep) == 2 and last["num_steps"] == len(last["kmax_seq"]) == len(last["wall_ms_seq"])
+            assert last["num_steps"] > 0 and last["timed_ms"] == pytest.approx(
+                sum(last["wall_ms_seq"]), abs=0.05
+            )
+            counted = {k: v for k, v in last.items() if k.isdigit()}  # per longest window
+            assert sum(v["n"] for v in counted.values()) == last["num_steps"]
+            assert {k: v for k, v in last.items() if not k.endswith("_seq")} == by_rep[-1]
+            if cell == "toy k=1":  # a forced k=1 drafts one token (0 only where a request has no room)
+                assert set(counted) <= {"0", "1"} and "modelled" not in counted["1"]
+        assert "step_times" not in rows[("plain", b)]
     for s in result["summary"]:
         fixed = {c: rows[(c, s["batch"])]["tok_per_s"] for c in ("toy k=1", "toy k=2")}
         best = max(fixed, key=fixed.__getitem__)
