@@ -17,18 +17,35 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
-def test_profile_step_smoke(tmp_path):
+@pytest.mark.parametrize("spec", [0, 2], ids=["plain", "spec"])
+def test_profile_step_smoke(tmp_path, spec):
     out = tmp_path / "step.json"
     cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
-           "--steps", "3", "--warmup", "3", "--out", str(out)]  # fmt: skip
+           "--steps", "3", "--warmup", "3", "--spec", str(spec), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     phases = result["phases_ms"]
-    assert result["batch"] == 2 and result["device_profile"] is None
+    assert result["batch"] == 2 and result["device_profile"] is None and result["spec_k"] == spec
     # Structure, not timings: each part is timed inside its step, so every per-step part (the
-    # remainder wait_and_commit included) is >= 0 and <= that step, and so are their medians.
+    # remainder included) is >= 0 and <= that step, and so are their medians.
     parts = ("schedule", "execute_model", "sample", "wait_and_commit")
+    if spec:  # the speculative step's phases, each called once per step
+        parts = (
+            "schedule",
+            "propose",
+            "pack",
+            "verify_forward",
+            "accept",
+            "fetch",
+            "outcomes",
+            "apply",
+            "rest",
+        )
+        assert (
+            "speculative step (k=2" in proc.stdout and phases["propose"] > 0 and phases["verify_forward"] > 0
+        )
+    assert set(phases) == {"step_mean", "step", "step_min", "step_max", *parts}
     for name in parts:
         assert 0 <= phases[name] <= phases["step_max"], (name, phases)
     assert 0 < phases["step_min"] <= phases["step"] <= phases["step_max"]
