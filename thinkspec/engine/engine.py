@@ -284,14 +284,15 @@ class LLMEngine:
 
     def _runs_ahead(self, flight: InFlight) -> bool:
         """Whether the next step may launch before the step in flight commits: it decodes the same
-        sequences but those its tokens finish by length (Scheduler.can_run_ahead) and, with
+        sequences but those its tokens finish by length (Scheduler.run_ahead_rows) and, with
         adaptive_k, is a plain step too."""
-        pending = [s for _, s in flight.pending]
-        if not (self.async_scheduling and self.scheduler.can_run_ahead(pending)):
+        if not self.async_scheduling:
+            return False
+        rows = self.scheduler.run_ahead_rows([s for _, s in flight.pending])
+        if rows is None:
             return False
         if self.speculator is None:
             return True
-        rows = [s for s in pending if not self.scheduler.ends_with_pending(s)]
         n = len(rows)
         return self.speculator.plan(rows, [1] * n, [True] * n)
 

@@ -231,28 +231,30 @@ class Scheduler:
             seq.num_tokens >= self.max_model_len
         )
 
-    def can_run_ahead(self, pending: Seq[Sequence]) -> bool:
-        """Whether the next step may launch before pending's tokens commit: it must decode exactly
-        those sequences but the ones that finish by length with their pending token (schedule()
-        leaves those out; with none left it comes back empty and the step in flight commits), with
-        no preemption for KV blocks."""
+    def run_ahead_rows(self, pending: Seq[Sequence]) -> list[Sequence] | None:
+        """The sequences the next step decodes if it may launch before pending's tokens commit, else
+        None: every running sequence must be pending, with no preemption for KV blocks; those that
+        finish by length with their pending token are left out (as schedule() leaves them out; with
+        none left it comes back empty and the step in flight commits)."""
         if self.waiting or not self.running or len(self.running) > self.max_num_batched_tokens:
-            return False
+            return None
         ids = {id(seq) for seq in pending}
         bm = self.block_manager
         new_blocks = 0
+        rows = []
         for seq in self.running:
             if id(seq) not in ids or seq.num_tokens - seq.num_computed_tokens != 1:
-                return False
+                return None
             if self.ends_with_pending(seq):
                 continue
             # The pending token may spend the thinking budget; the next step must then be forced.
             budget = seq.sampling_params.thinking_token_budget
             if budget is not None and seq.num_thinking_tokens + 1 >= budget:
-                return False
+                return None
             need = self._slots_needed(seq, seq.num_computed_tokens, 1, 0)
             new_blocks += max(0, bm.blocks_for(need) - len(seq.block_table))
-        return new_blocks <= bm.num_free_blocks
+            rows.append(seq)
+        return rows if new_blocks <= bm.num_free_blocks else None
 
     def abort(self, request_id: str, drop_pending: bool = False) -> Sequence | None:
         """Finish a request with reason "abort" and free its blocks; None if it is unknown or done.
