@@ -20,7 +20,6 @@ from thinkspec.spec_decode.draft_length import (
     REFRESH,
     REFRESH_PLAIN,
     THINKING,
-    WINDOW_TOLERANCE,
     AcceptanceEstimates,
     AdaptiveDraftLength,
     expected_tokens,
@@ -110,20 +109,6 @@ def test_drafting_must_beat_plain_by_the_margin():
         entry = chooser.trace[0]
         # both sides of the margin rate drafting above plain; only a clear win is taken
         assert entry["best_drafting_tok_per_ms"] > entry["plain_tok_per_ms"]
-
-
-def test_the_cheapest_window_within_the_tolerance_is_taken():
-    """One row, plain 5 ms, draft steps 0.5 ms, verify as plain: at c = 0.7 k = 4 is modelled best
-    (2.773 tokens in 7 ms) but k = 3 (2.533 in 6.5 ms) is within WINDOW_TOLERANCE of it and cheaper;
-    at c = 0.8 k = 4 (3.362 in 7 ms) leads k = 3 (2.952 in 6.5 ms) by more, and is taken."""
-    assert WINDOW_TOLERANCE < 1 - (2.533 / 6.5) / (2.7731 / 7) + 0.02  # k = 3 is 1.6% below k = 4
-    for rate, k in ((0.7, 3), (0.8, 4)):
-        chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
-        chooser.estimates.rates[:] = rate
-        chooser.trace = []
-        assert chooser.choose(np.array([0, 1, 0]))[THINKING] == k, rate
-        entry = chooser.trace[0]
-        assert (entry["tok_per_ms"] < entry["best_drafting_tok_per_ms"]) == (k == 3)
 
 
 def test_mixed_step_cost_counts_only_rows_still_drafting():
@@ -308,9 +293,7 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
     if rate == 0.0:
         assert hist[0] > 0.7 * sum(hist)  # plain rows once learnt, with a probe now and then
     else:
-        # K once learnt; before, the prior (c = 0.7) rates K - 1 within WINDOW_TOLERANCE of K for a
-        # refresh period; the last steps are capped by max_tokens
-        assert hist[K] > 0.6 * sum(hist)
+        assert hist[K] > 0.7 * sum(hist)  # the rest: the last steps, capped by max_tokens
 
 
 def test_engine_chooses_per_phase_group():
@@ -326,8 +309,7 @@ def test_engine_chooses_per_phase_group():
     llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
     m = llm.last_spec_metrics
     think, answer = m.thinking.draft_length_histogram, m.answer.draft_length_histogram
-    # thinking: K once learnt (the prior's first refresh period drafts K - 1, see above)
-    assert think[K] >= 0.6 * sum(think) and answer[0] >= 0.6 * sum(answer)
+    assert think[K] >= 0.7 * sum(think) and answer[0] >= 0.6 * sum(answer)
     assert m.thinking.num_accepted_tokens == m.thinking.num_draft_tokens > 0
     assert m.answer.num_accepted_tokens == 0
 

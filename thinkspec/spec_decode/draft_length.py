@@ -10,8 +10,7 @@ i is accepted given drafts 0..i-1 were. A row of group g that drafts k tokens th
 and a step where group g (n_g rows) drafts k_g costs StepCostModel's device time plus its learned
 host overhead (step_costs.py). `AdaptiveDraftLength.choose` takes the k per group, 0..K each, that
 maximises sum_g n_g E_g(k_g) / cost over the whole (K+1)^G grid (G <= 3 groups present); all
-zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_MARGIN; among drafting
-choices within WINDOW_TOLERANCE of the best the cheapest is taken.
+zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_MARGIN.
 
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
@@ -46,11 +45,6 @@ PROBE_PERIOD = 32
 # decoding starts with the draft catching up. Measured at batch 64 (Qwen3-8B / 0.6B shapes): the model
 # rated k = 3 7-9% above the plain step while a fixed k = 3 ran 5-10% below plain decoding.
 PLAIN_MARGIN = 0.1
-# Among drafting choices modelled within this fraction of the best, the cheapest step is taken: near
-# its optimum the rate is flat in k, while what the model misses grows with the window (the spread of
-# the rows' lengths, estimates of late positions from fewer tries). Measured at batch 16: the model
-# rated k = 3 and k = 5 equal, a fixed k = 3 ran 10% faster than k = 5.
-WINDOW_TOLERANCE = 0.03
 REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
 # An all-plain choice learns nothing about acceptance while it lasts (no row drafts), only the cost
 # model's overheads move: reuse it longer, so that plain steps pay almost no host time for choosing.
@@ -140,12 +134,9 @@ class AdaptiveDraftLength:
             self.costs.ensure(sum(key))
             grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64))
             rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
-            top = float(rates.max())
-            if top <= (1.0 + PLAIN_MARGIN) * rates[0]:
+            pick = int(np.argmax(rates))
+            if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
                 pick = 0
-            else:  # the cheapest step among those within WINDOW_TOLERANCE of the best (ties: the faster)
-                near = np.flatnonzero(rates >= (1.0 - WINDOW_TOLERANCE) * top)
-                pick = int(near[np.lexsort((-rates[near], cost[near]))[0]])
             best = grid[:, pick]
             cached = self._cache = (key, best, bool(best.any()), self.num_choices)
             if self.trace is not None:
