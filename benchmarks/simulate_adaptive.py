@@ -1,0 +1,218 @@
+"""adaptive_k against plain decoding and every fixed draft length, replayed on measured step times.
+
+A projection, not a measurement: it runs the engine's own chooser (AdaptiveDraftLength) over a
+simulated closed batch whose step times come from a bench_adaptive.py JSON measured on the device,
+so policies can be compared without the device's run-to-run noise (the H200 cells spread 5-18%
+between repetitions, the criterion allows 5%).
+
+The batch: --batch-size rows start together, each emits --output-len tokens (its first
+thinking_tokens of the JSON's good profile thinking, the rest answer). A row that drafts k tokens
+accepts them position by position with its phase's conditional rate (the profile's a_i / a_{i-1}),
+and emits the accepted drafts plus one, capped by its room. A step's time is the JSON's median
+timed step of the speculating engine's fixed-k cell at that batch size, k the step's longest window
+(k = 0: the plain engine's time per token), linear in the number of unfinished rows between the
+measured batch sizes. What it leaves out: the draft's catch-up after plain steps, the cheaper draft
+forwards of rows with shorter windows, steps that a row leaving breaks out of async scheduling.
+
+Policies: plain, fixed k = 1..K and adaptive: AdaptiveDraftLength with the cost model the engine
+measured (the JSON's graph-replay figures per bucket), learning its overheads from the simulated
+step times and its acceptance from the simulated windows. Like bench_adaptive.py, each policy keeps
+its chooser across a warm-up run and --runs timed runs, for each of --seeds seeds; tok/s = rows x
+(output_len - 1) / time, the mean over runs and seeds, reported with the adaptive criterion of
+bench_adaptive.py (and its least over the seeds). --set NAME=VALUE changes a constant of the chooser
+(what-if runs, e.g. --set PLAIN_MARGIN=0).
+
+    python3 benchmarks/simulate_adaptive.py \
+        benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json --seeds 8 --runs 5 \
+        [--set PLAIN_MARGIN=0 --set MAX_STEP_WEIGHT=1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from thinkspec.spec_decode import draft_length
+from thinkspec.spec_decode.draft_length import ANSWER, GROUPS, THINKING, AdaptiveDraftLength
+from thinkspec.spec_decode.step_costs import StepCostModel, StepCosts
+
+
+def step_table(result: dict, k_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """(batch sizes [M], ms [M, K+1]) from a bench_adaptive JSON: the median timed step of each
+    fixed-k cell at its batch size, k = 0 the plain engine's ms per step. Raises ValueError when a
+    cell is missing."""
+    rows = {(r["cell"], r["batch"]): r for r in result["rows"]}
+    batches = sorted({r["batch"] for r in result["rows"]})
+    ms = np.zeros((len(batches), k_max + 1))
+    for i, b in enumerate(batches):
+        plain = rows.get(("plain", b))
+        if plain is None:
+            raise ValueError(f"no plain cell at batch {b}")
+        ms[i, 0] = 1e3 * b / plain["tok_per_s"]
+        for k in range(1, k_max + 1):
+            cell = rows.get((f"good k={k}", b))
+            if cell is None or str(k) not in cell.get("step_times", {}):
+                raise ValueError(f"no timed steps of good k={k} at batch {b}")
+            ms[i, k] = cell["step_times"][str(k)]["median"]
+    return np.array(batches), ms
+
+
+def cost_model(result: dict, k_max: int) -> StepCostModel:
+    """The chooser's cost model as the engine measured it (graph replays per bucket), overheads
+    unlearnt."""
+    table = {}
+    for bucket, entry in result["cost_model"].items():
+        if "verify_ms" in entry:
+            b, verify = int(bucket), entry["verify_ms"]
+            table[b] = [StepCosts(b, k, verify[0], entry["draft_ms"], verify[k]) for k in range(k_max + 1)]
+    return StepCostModel(k_max, sorted(int(b) for b in result["cost_model"]), table)
+
+
+def conditional_rates(shares: list[float]) -> np.ndarray:
+    """[K] c_i = a_i / a_{i-1} from the profile's shares a_i of rounds accepting draft i."""
+    full = np.array([1.0, *shares])
+    return np.divide(full[1:], full[:-1], out=np.zeros(len(shares)), where=full[:-1] > 0)
+
+
+class ClosedBatch:
+    """One simulated run: rows, their progress and the step times (see the module docstring)."""
+
+    def __init__(self, batch: int, output_len: int, thinking_tokens: int, steps: tuple, rates: np.ndarray):
+        self.batch, self.output_len, self.thinking_tokens = batch, output_len, thinking_tokens
+        self.step_batches, self.step_ms = steps  # [M], [M, K+1]
+        self.rates = rates  # [G, K] conditional acceptance per group (only answer and thinking used)
+
+    def step_time(self, rows: int, kmax: int) -> float:
+        return float(np.interp(rows, self.step_batches, self.step_ms[:, kmax]))
+
+    def run(self, policy, rng: np.random.Generator) -> float:
+        """Simulated seconds of one run; policy: an AdaptiveDraftLength or a fixed k (int)."""
+        done = np.zeros(self.batch, dtype=np.int64)  # output tokens so far (the first one from the prefill)
+        done[:] = 1
+        seconds = 0.0
+        k_max = self.rates.shape[1]
+        while True:
+            live = np.flatnonzero(done < self.output_len)
+            if live.size == 0:
+                return seconds
+            groups = np.where(done[live] < self.thinking_tokens, THINKING, ANSWER)
+            if isinstance(policy, AdaptiveDraftLength):
+                counts = np.bincount(groups, minlength=len(GROUPS))
+                ks = policy.choose(counts)[groups]
+                if policy.probe_rows is not None:  # a probe out of plain decoding: its first rows only
+                    ks[np.flatnonzero(ks)[policy.probe_rows :]] = 0
+            else:
+                ks = np.full(live.size, policy)
+            ks = np.minimum(ks, self.output_len - done[live] - 1)  # the room each row has left
+            trials = rng.random((live.size, k_max)) < self.rates[groups]  # [R, K]
+            streak = np.cumprod(trials, axis=1).sum(axis=1)
+            accepted = np.minimum(streak, ks)
+            done[live] += accepted + 1
+            drafting = ks > 0
+            ms = self.step_time(live.size, int(ks.max()))
+            if isinstance(policy, AdaptiveDraftLength):
+                policy.observe(groups[drafting], ks[drafting], accepted[drafting])
+                policy.observe_time(ks, ms)
+            seconds += ms / 1e3
+
+
+# Chooser constants --set may change (what-if runs): module constants of draft_length, and the two
+# weights of its acceptance estimates
+SETTABLE = (
+    "PLAIN_MARGIN",
+    "PLAIN_PROBE_ROWS",
+    "PLAIN_PROBE_PERIOD",
+    "PROBE_PERIOD",
+    "REFRESH",
+    "REFRESH_PLAIN",
+)
+ESTIMATE_WEIGHTS = {"RATE_ALPHA": "alpha", "MAX_STEP_WEIGHT": "max_weight"}
+
+
+def chooser(result: dict, k_max: int, settings: dict[str, float]) -> AdaptiveDraftLength:
+    """The engine's chooser on the JSON's cost model, with settings applied (see SETTABLE)."""
+    for name, value in settings.items():
+        if name in SETTABLE:
+            setattr(draft_length, name, type(getattr(draft_length, name))(value))
+    policy = AdaptiveDraftLength(k_max, cost_model(result, k_max))
+    for name, attr in ESTIMATE_WEIGHTS.items():
+        if name in settings:
+            setattr(policy.estimates, attr, float(settings[name]))
+    return policy
+
+
+def simulate(
+    result: dict, batch: int, k_max: int, runs: int, seed: int, settings: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size."""
+    profile = result["profiles"]["good"]
+    output_len = result["output_len"]
+    rates = np.zeros((len(GROUPS), k_max))
+    rates[ANSWER] = conditional_rates(profile["answer"])[:k_max]
+    rates[THINKING] = conditional_rates(profile["thinking"])[:k_max]
+    sim = ClosedBatch(batch, output_len, profile["thinking_tokens"], step_table(result, k_max), rates)
+    tokens = batch * (output_len - 1)
+    out = {}
+    policies: list[tuple[str, object]] = [("plain", 0)] + [(f"k={k}", k) for k in range(1, k_max + 1)]
+    policies.append(("adaptive", chooser(result, k_max, settings or {})))
+    for name, policy in policies:
+        rng = np.random.default_rng(seed)
+        sim.run(policy, rng)  # warm-up: the chooser learns, as bench_adaptive.py's warm-up run
+        out[name] = float(np.mean([tokens / sim.run(policy, rng) for _ in range(runs)]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result", help="a bench_adaptive.py JSON with every fixed k 1..K at each batch size")
+    ap.add_argument("--batch-sizes", default=None, help="default: the JSON's")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs per policy, batch size and seed")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each its own warm-up and runs")
+    names = (*SETTABLE, *ESTIMATE_WEIGHTS)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help=f"a chooser constant for a what-if run: {', '.join(names)}")  # fmt: skip
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    settings = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in names or not value:
+            ap.error(f"--set takes NAME=VALUE with NAME one of {', '.join(names)}, got {item!r}")
+        settings[name] = float(value)
+    result = json.loads(Path(args.result).read_text())
+    k_max = result["k_max"]
+    batches = sorted({r["batch"] for r in result["rows"]})
+    if args.batch_sizes:
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+    table = []
+    for b in batches:
+        per_seed = [simulate(result, b, k_max, args.runs, seed, settings) for seed in range(args.seeds)]
+        tok = {name: float(np.mean([t[name] for t in per_seed])) for name in per_seed[0]}
+        fixed = {n: v for n, v in tok.items() if n.startswith("k=")}
+        best = max(fixed, key=fixed.__getitem__)
+        table.append({
+            "batch": b, "tok_per_s": tok, "best_fixed": best,
+            "adaptive_over_best": tok["adaptive"] / max(tok["plain"], fixed[best]),
+            "adaptive_over_best_min": min(t["adaptive"] / max(t["plain"], t[best]) for t in per_seed),
+            "adaptive_over_plain": tok["adaptive"] / tok["plain"],
+        })  # fmt: skip
+    out = {"source": Path(args.result).name, "runs": args.runs, "seeds": args.seeds, "settings": settings,
+           "rows": table}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"simulated closed batch on the step times of {out['source']}: {args.seeds} seed(s) x {args.runs} "
+          f"runs, mean tok/s, settings {settings or 'as in the engine'}")  # fmt: skip
+    heads = ("plain", "best fixed", "adaptive", "ad/best", "(least)", "ad/plain")
+    print(f"{'batch':>6} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, (9, 16, 9, 8, 8, 8))))
+    for row in table:
+        t, best = row["tok_per_s"], row["best_fixed"]
+        ratios = " ".join(f"{row[key]:>8.3f}" for key in ("adaptive_over_best", "adaptive_over_best_min"))
+        line = f"{row['batch']:>6} {t['plain']:>9.0f} {best:>6} {t[best]:>9.0f} {t['adaptive']:>9.0f}"
+        print(f"{line} {ratios} {row['adaptive_over_plain']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

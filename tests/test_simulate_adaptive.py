@@ -1,0 +1,87 @@
+"""benchmarks/simulate_adaptive.py: the chooser replayed on step times from a bench_adaptive JSON (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import simulate_adaptive as sim  # noqa: E402
+
+K = 3
+
+
+def _result(plain_ms: float, draft_ms: float, k_ms: list[float], rate: float) -> dict:
+    """A bench_adaptive-shaped JSON: step times at batch 1 and 4 (the same per step), a graph-replay
+    cost model that agrees with them, acceptance rate per position `rate` in both phases."""
+    rows = []
+    for b in (1, 4):
+        rows.append({"cell": "plain", "batch": b, "tok_per_s": 1e3 * b / plain_ms})
+        for k in range(1, K + 1):
+            rows.append({"cell": f"good k={k}", "batch": b, "step_times": {str(k): {"median": k_ms[k - 1]}}})
+    shares = [rate ** (i + 1) for i in range(K)]
+    cost = {str(b): {"verify_ms": [plain_ms] * (K + 1), "draft_ms": draft_ms} for b in (1, 2, 4)}
+    return {"k_max": K, "output_len": 64, "rows": rows, "cost_model": cost,
+            "profiles": {"good": {"thinking": shares, "answer": shares, "thinking_tokens": 32}}}  # fmt: skip
+
+
+def test_step_table_and_missing_cells():
+    result = _result(5.0, 0.5, [5.5, 6.0, 6.5], 0.8)
+    batches, ms = sim.step_table(result, K)
+    assert batches.tolist() == [1, 4] and ms[:, 0].tolist() == pytest.approx([5.0, 5.0])
+    assert ms[0, 1:].tolist() == [5.5, 6.0, 6.5]
+    result["rows"] = [r for r in result["rows"] if r["cell"] != "good k=2"]
+    with pytest.raises(ValueError, match="good k=2 at batch 1"):
+        sim.step_table(result, K)
+
+
+@pytest.mark.parametrize("cheap", [True, False], ids=["drafting pays", "drafting loses"])
+def test_adaptive_follows_the_step_times(cheap):
+    """Cheap drafts that are always accepted: fixed k = K is best and adaptive gets close to it.
+    Drafting steps that cost 3x a plain step with rare acceptance: every fixed k loses to plain,
+    and adaptive decodes (nearly) plainly."""
+    if cheap:
+        result = _result(5.0, 0.1, [5.1, 5.2, 5.3], 0.99)
+    else:
+        result = _result(5.0, 5.0, [15.0, 20.0, 25.0], 0.1)
+        result["cost_model"] = {b: {**e, "draft_ms": 5.0} for b, e in result["cost_model"].items()}
+    tok = sim.simulate(result, 4, K, runs=2, seed=0)
+    assert set(tok) == {"plain", "k=1", "k=2", "k=3", "adaptive"}
+    fixed = max(v for n, v in tok.items() if n.startswith("k="))
+    if cheap:
+        assert tok["k=3"] == fixed > 2 * tok["plain"] and tok["adaptive"] > 0.9 * fixed
+    else:
+        assert fixed < 0.5 * tok["plain"] and tok["adaptive"] > 0.9 * tok["plain"]
+
+
+def test_cli_on_a_measured_result(tmp_path):
+    out = tmp_path / "sim.json"
+    src = ROOT / "benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json"
+    cmd = [sys.executable, "benchmarks/simulate_adaptive.py", str(src), "--batch-sizes", "1,64",
+           "--runs", "1", "--seeds", "2", "--set", "MAX_STEP_WEIGHT=0.5", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["settings"] == {"MAX_STEP_WEIGHT": 0.5} and result["seeds"] == 2
+    rows = result["rows"]
+    assert [r["batch"] for r in rows] == [1, 64]
+    for r in rows:
+        best = r["tok_per_s"][r["best_fixed"]]
+        assert r["adaptive_over_best"] == pytest.approx(
+            r["tok_per_s"]["adaptive"] / max(r["tok_per_s"]["plain"], best)
+        )
+    assert "simulated closed batch" in proc.stdout
+    for r in rows:
+        assert r["adaptive_over_best_min"] <= r["adaptive_over_best"] + 1e-9
+    bad = subprocess.run(
+        [*cmd[:3], "--set", "PRIOR_RATE=0.5"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--set takes NAME=VALUE" in bad.stderr
