@@ -5,12 +5,11 @@ Builds the engine on Qwen3-8B-shaped random weights (`--small` for a CPU smoke t
 times --steps steady-state decode steps two ways:
   phases    steps run back to back (as generate() runs them: outputs of finished requests only,
             none here); step_mean = their wall time / steps; each step's wall time split into
-            schedule, execute_model (input packing, graph replay or eager forward, logits),
-            sample (the sampler's launches), wait + commit (the rest: the
-            device->host copy of the tokens, which waits for the device, and the scheduler's
-            postprocess and outputs), each the median over the steps (ms). With async scheduling a
-            step waits for the previous one's tokens, so its wall time is the device's step time
-            whenever the host keeps ahead.
+            schedule, execute_model (input packing, graph replay or eager forward, logits), sample
+            (the sampler's launches), wait + commit (the rest: the device->host copy of the tokens,
+            which waits for the device, and the scheduler's postprocess and outputs), each the
+            median over the steps (ms). With async scheduling a step waits for the previous one's
+            tokens, so its wall time is the device's step time whenever the host keeps ahead.
   device    the same steps under torch.profiler (CUDA only): device busy time per step (sum of
             kernel and copy durations), idle = wall - busy, and the kernels outside CUDA graphs
 With --spec K the engine speculates with a Qwen3-0.6B-shaped draft (dummy weights), every step
@@ -125,8 +124,9 @@ def main() -> None:
             torch.cuda.synchronize(device)
 
     sums: dict[str, float] = defaultdict(float)
-    phase_names = [name for _, name in (SPEC_PHASES if args.spec else PLAIN_PHASES)]
-    _time_phases(engine, SPEC_PHASES if args.spec else PLAIN_PHASES, sums)
+    timed_phases = SPEC_PHASES if args.spec else PLAIN_PHASES
+    phase_names = [name for _, name in timed_phases]
+    _time_phases(engine, timed_phases, sums)
     if args.spec:
         # a classmethod: the wrapper goes on the class, called through it as the speculator does
         _wrap(speculator_module.HostPack, "fetch", "fetch", sums)

@@ -90,8 +90,7 @@ class ClosedBatch:
 
     def run(self, policy, rng: np.random.Generator) -> float:
         """Simulated seconds of one run; policy: an AdaptiveDraftLength or a fixed k (int)."""
-        done = np.zeros(self.batch, dtype=np.int64)  # output tokens so far (the first one from the prefill)
-        done[:] = 1
+        done = np.ones(self.batch, dtype=np.int64)  # output tokens so far (the first one from the prefill)
         seconds = 0.0
         k_max = self.rates.shape[1]
         while True:
@@ -133,7 +132,8 @@ ESTIMATE_WEIGHTS = {"RATE_ALPHA": "alpha", "MAX_STEP_WEIGHT": "max_weight"}
 
 
 def chooser(result: dict, k_max: int, settings: dict[str, float]) -> AdaptiveDraftLength:
-    """The engine's chooser on the JSON's cost model, with settings applied (see SETTABLE)."""
+    """The engine's chooser on the JSON's cost model, with settings applied (see SETTABLE; module
+    constants stay set for the rest of the process, which runs one what-if)."""
     for name, value in settings.items():
         if name in SETTABLE:
             setattr(draft_length, name, type(getattr(draft_length, name))(value))
