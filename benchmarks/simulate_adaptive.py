@@ -16,8 +16,9 @@ forwards of rows with shorter windows, steps that a row leaving breaks out of as
 
 Policies: plain, fixed k = 1..K and adaptive: AdaptiveDraftLength with the cost model the engine
 measured (the JSON's graph-replay figures per bucket), learning its overheads from the simulated
-step times and its acceptance from the simulated windows. Like bench_adaptive.py, each policy keeps
-its chooser across a warm-up run and --runs timed runs, for each of --seeds seeds; tok/s = rows x
+step times and its acceptance from the simulated windows. Each batch size has its own chooser, kept
+across a warm-up run and --runs timed runs (--shared: one chooser for every batch size, run in
+bench_adaptive.py's order, as on the device), for each of --seeds seeds; tok/s = rows x
 (output_len - 1) / time, the mean over runs and seeds, reported with the adaptive criterion of
 bench_adaptive.py (and its least over the seeds). --set NAME=VALUE changes a constant of the chooser
 (what-if runs, e.g. --set PLAIN_MARGIN=0).
@@ -144,17 +145,23 @@ def chooser(result: dict, k_max: int, settings: dict[str, float]) -> AdaptiveDra
     return policy
 
 
-def simulate(
-    result: dict, batch: int, k_max: int, runs: int, seed: int, settings: dict[str, float] | None = None
-) -> dict[str, float]:
-    """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size."""
+def closed_batch(result: dict, batch: int, k_max: int) -> ClosedBatch:
+    """The JSON's good profile and step times at one batch size."""
     profile = result["profiles"]["good"]
-    output_len = result["output_len"]
     rates = np.zeros((len(GROUPS), k_max))
     rates[ANSWER] = conditional_rates(profile["answer"])[:k_max]
     rates[THINKING] = conditional_rates(profile["thinking"])[:k_max]
-    sim = ClosedBatch(batch, output_len, profile["thinking_tokens"], step_table(result, k_max), rates)
-    tokens = batch * (output_len - 1)
+    return ClosedBatch(
+        batch, result["output_len"], profile["thinking_tokens"], step_table(result, k_max), rates
+    )
+
+
+def simulate(
+    result: dict, batch: int, k_max: int, runs: int, seed: int, settings: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size (its own chooser)."""
+    sim = closed_batch(result, batch, k_max)
+    tokens = batch * (sim.output_len - 1)
     out = {}
     policies: list[tuple[str, object]] = [("plain", 0)] + [(f"k={k}", k) for k in range(1, k_max + 1)]
     policies.append(("adaptive", chooser(result, k_max, settings or {})))
@@ -165,12 +172,38 @@ def simulate(
     return out
 
 
+def simulate_shared(
+    result: dict,
+    batches: list[int],
+    k_max: int,
+    runs: int,
+    seed: int,
+    settings: dict[str, float] | None = None,
+) -> dict[int, float]:
+    """Mean tok/s of adaptive at each batch size with one chooser for all of them, run in
+    bench_adaptive.py's order: a warm-up pass over the batch sizes, then runs passes."""
+    sims = {b: closed_batch(result, b, k_max) for b in batches}
+    policy = chooser(result, k_max, settings or {})
+    rng = np.random.default_rng(seed)
+    for b in batches:
+        sims[b].run(policy, rng)
+    tok: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(runs):
+        for b in batches:
+            tok[b].append(b * (sims[b].output_len - 1) / sims[b].run(policy, rng))
+    return {b: float(np.mean(v)) for b, v in tok.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("result", help="a bench_adaptive.py JSON with every fixed k 1..K at each batch size")
     ap.add_argument("--batch-sizes", default=None, help="default: the JSON's")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per policy, batch size and seed")
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each its own warm-up and runs")
+    ap.add_argument(
+        "--shared", action="store_true",
+        help="one chooser across the batch sizes, in bench_adaptive.py's order (as the device runs it)",
+    )  # fmt: skip
     names = (*SETTABLE, *ESTIMATE_WEIGHTS)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help=f"a chooser constant for a what-if run: {', '.join(names)}")  # fmt: skip
@@ -187,9 +220,16 @@ def main() -> None:
     batches = sorted({r["batch"] for r in result["rows"]})
     if args.batch_sizes:
         batches = [int(b) for b in args.batch_sizes.split(",")]
+    shared = []
+    if args.shared:
+        shared = [
+            simulate_shared(result, batches, k_max, args.runs, seed, settings) for seed in range(args.seeds)
+        ]
     table = []
     for b in batches:
         per_seed = [simulate(result, b, k_max, args.runs, seed, settings) for seed in range(args.seeds)]
+        for t, adaptive in zip(per_seed, shared):
+            t["adaptive"] = adaptive[b]
         tok = {name: float(np.mean([t[name] for t in per_seed])) for name in per_seed[0]}
         fixed = {n: v for n, v in tok.items() if n.startswith("k=")}
         best = max(fixed, key=fixed.__getitem__)
@@ -200,7 +240,7 @@ def main() -> None:
             "adaptive_over_plain": tok["adaptive"] / tok["plain"],
         })  # fmt: skip
     out = {"source": Path(args.result).name, "runs": args.runs, "seeds": args.seeds, "settings": settings,
-           "rows": table}  # fmt: skip
+           "shared_chooser": args.shared, "rows": table}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"simulated closed batch on the step times of {out['source']}: {args.seeds} seed(s) x {args.runs} "

@@ -61,16 +61,30 @@ def test_adaptive_follows_the_step_times(cheap):
         assert fixed < 0.5 * tok["plain"] and tok["adaptive"] > 0.9 * tok["plain"]
 
 
+def test_one_chooser_across_batch_sizes():
+    """--shared: one chooser runs every batch size in turn; where drafting pays at both sizes it
+    stays close to the best fixed k at each."""
+    result = _result(5.0, 0.1, [5.1, 5.2, 5.3], 0.99)
+    shared = sim.simulate_shared(result, [1, 4], K, runs=2, seed=0)
+    assert set(shared) == {1, 4}
+    for b in (1, 4):
+        own = sim.simulate(result, b, K, runs=2, seed=0)
+        assert shared[b] > 0.9 * own["k=3"] > 0.9 * 2 * own["plain"]
+
+
 def test_cli_on_a_measured_result(tmp_path):
     out = tmp_path / "sim.json"
     src = ROOT / "benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json"
     cmd = [sys.executable, "benchmarks/simulate_adaptive.py", str(src), "--batch-sizes", "1,64",
-           "--runs", "1", "--seeds", "2", "--set", "MAX_STEP_WEIGHT=0.5", "--out", str(out)]  # fmt: skip
+           "--runs", "1", "--seeds", "2", "--set", "MAX_STEP_WEIGHT=0.5", "--shared",
+           "--out", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["settings"] == {"MAX_STEP_WEIGHT": 0.5} and result["seeds"] == 2
+    assert (
+        result["settings"] == {"MAX_STEP_WEIGHT": 0.5} and result["seeds"] == 2 and result["shared_chooser"]
+    )
     rows = result["rows"]
     assert [r["batch"] for r in rows] == [1, 64]
     for r in rows:
