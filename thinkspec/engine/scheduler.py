@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, commit_token
+from thinkspec.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, commit_token, length_reached
 from thinkspec.outputs import PositionLogprobs
 from thinkspec.reasoning.tracker import PhaseTracker
 
@@ -224,12 +224,7 @@ class Scheduler:
     def ends_with_pending(self, seq: Sequence) -> bool:
         """seq holds a pending token that finishes it by length (max_tokens, max_model_len): known
         finished before the token arrives, so no later step decodes it."""
-        if not seq.token_ids or seq.token_ids[-1] != PENDING_TOKEN:
-            return False
-        max_tokens = seq.sampling_params.max_tokens
-        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        )
+        return seq.last_token_id == PENDING_TOKEN and length_reached(seq, self.max_model_len)
 
     def run_ahead_rows(self, pending: Seq[Sequence]) -> list[Sequence] | None:
         """The sequences the next step decodes if it may launch before pending's tokens commit, else

@@ -125,6 +125,12 @@ class Sequence:
         self.metrics.finished_time = time.monotonic()
 
 
+def length_reached(seq: Sequence, max_model_len: int) -> bool:
+    """seq's tokens reach max_tokens or max_model_len: it finishes by length."""
+    max_tokens = seq.sampling_params.max_tokens
+    return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or seq.num_tokens >= max_model_len
+
+
 def commit_token(seq: Sequence, token_id: int, *, max_model_len: int, tokenizer: Any | None) -> bool:
     """Append one generated token, update the text and finish the sequence if it must stop.
 
@@ -163,9 +169,7 @@ def commit_token(seq: Sequence, token_id: int, *, max_model_len: int, tokenizer:
     if stop_by_id is not None:
         seq.finish(*stop_by_id)
         return True
-    if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-        seq.num_tokens >= max_model_len
-    ):
+    if length_reached(seq, max_model_len):
         seq.finish("length")
         return True
     return False

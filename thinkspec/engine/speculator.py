@@ -415,11 +415,12 @@ class Speculator:
             return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
                     for g, i in zip(groups, decodes)]  # fmt: skip
+        chosen = [b for b, k in enumerate(row_list) if k > 0]
         limit = self.draft_length.probe_rows
         if limit is not None:  # a probe out of plain decoding: its first rows only (each catches up)
-            for b in [b for b, k in enumerate(row_list) if k][limit:]:
+            for b in chosen[limit:]:
                 row_list[b] = 0
-        chosen = [b for b, k in enumerate(row_list) if k > 0]
+            chosen = chosen[:limit]
         spec_index = [decodes[b] for b in chosen]
         choice = (spec_index, [row_list[b] for b in chosen], [groups[b] for b in chosen],
                   np.array(row_list, dtype=np.int64))  # fmt: skip
