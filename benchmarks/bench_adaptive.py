@@ -404,7 +404,8 @@ def step_times(steps: list[tuple[int, int, float, float]]) -> dict:
 
 def cost_model_table(costs: StepCostModel, max_batch: int) -> dict:
     """The adaptive engine's cost model as measured and learned: per bucket, verify ms at k = 0..K,
-    the draft step ms, and the learned overhead by longest window (None = not measured)."""
+    the draft step ms, both per token of context (us), and the learned overhead by longest window
+    (None = not measured)."""
     out = {}
     for row, bucket in enumerate(costs.buckets):
         if bucket > costs.bucket(max_batch):
@@ -414,6 +415,9 @@ def cost_model_table(costs: StepCostModel, max_batch: int) -> dict:
         if bucket in costs.costs:
             entry["verify_ms"] = [round(c.verify_ms, 3) for c in costs.costs[bucket]]
             entry["draft_ms"] = round(costs.costs[bucket][0].draft_ms, 3)
+            # attention per token of context over the rows, microseconds
+            entry["verify_ctx_us"] = [round(1e3 * c.verify_ctx_ms, 6) for c in costs.costs[bucket]]
+            entry["draft_ctx_us"] = round(1e3 * costs.costs[bucket][0].draft_ctx_ms, 6)
         if len(entry) > 1 or any(x is not None for x in overhead):
             out[str(bucket)] = entry
     return out

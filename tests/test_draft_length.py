@@ -226,7 +226,7 @@ def test_a_choice_is_reused_for_its_refresh_period(monkeypatch, rate, period):
     chooser.estimates.rates[:] = rate
     searches = []
     evaluate = chooser.evaluate
-    monkeypatch.setattr(chooser, "evaluate", lambda counts: (searches.append(1), evaluate(counts))[1])
+    monkeypatch.setattr(chooser, "evaluate", lambda *args: (searches.append(1), evaluate(*args))[1])
     counts = np.array([0, 16, 0])
     ks = [int(chooser.choose(counts)[THINKING]) for _ in range(4 * period - 1)]
     assert len(searches) == 4
@@ -282,12 +282,15 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
     # On a CPU the toy's speculative step may well cost more than the tokens it saves: the default
     # device model alone decides here, the learned host overhead is left out.
     timings = []
-    llm.llm_engine.speculator.draft_length.observe_time = lambda row_ks, ms: timings.append((row_ks, ms))
+    llm.llm_engine.speculator.draft_length.observe_time = lambda *sample: timings.append(sample)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     # Every decode-only step but the last is a timing sample (steps that captured nothing: CPU).
-    assert len(timings) >= max_tokens // (K + 1) - 2 and all(ms > 0 and len(ks) == 2 for ks, ms in timings)
+    assert len(timings) >= max_tokens // (K + 1) - 2 and all(ms > 0 and len(ks) == 2 for ks, ms, _ in timings)
+    # each sample's context: the two sequences' tokens (prompts of 3 and 2), growing step by step
+    contexts = [c for _, _, c in timings]
+    assert contexts[0] > 5 and contexts == sorted(contexts) and contexts[-1] <= 5 + 2 * max_tokens
     hist = llm.last_spec_metrics.answer.draft_length_histogram
     hist = hist + [0] * (K + 1 - len(hist))
     if rate == 0.0:
@@ -407,7 +410,8 @@ def test_cost_model_measured_from_graph_replays_writes_no_kv():
     cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(TOY_MODELS["toy-reasoner"], device="cuda", gpu_memory_utilization=0.3, speculative_config=cfg)
     spec = llm.llm_engine.speculator
-    llm.generate(["Sam has 3 apples."], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    first = llm.generate(["Sam has 3 apples."], sp, use_tqdm=False)[0].outputs[0].token_ids
     kv = [r.kv_cache.clone() for r in (spec.target_runner, spec.draft_runner)]
     spec.measure_costs(4)
     costs = spec.draft_length.costs
@@ -416,9 +420,51 @@ def test_cost_model_measured_from_graph_replays_writes_no_kv():
         assert [r.k for r in rows] == list(range(K + 1))
         assert all(r.verify_ms > 0 and r.draft_ms > 0 for r in rows)
         assert rows[K].verify_ms >= 0.5 * rows[0].verify_ms
+        # attention over CONTEXT_PROBE tokens of context per row costs something in both models
+        assert all(r.verify_ctx_ms > 0 and r.draft_ctx_ms > 0 for r in rows)
+    assert costs.context_ms(4)[K] > costs.context_ms(4)[0] > 0
     assert spec.target_runner.graphs.spec.query_widths == tuple(range(1, K + 2))
     for before, runner in zip(kv, (spec.target_runner, spec.draft_runner)):
         assert torch.equal(before, runner.kv_cache)
+    # the static buffers are left as a capture leaves them: the next steps bring their own inputs
+    assert llm.generate(["Sam has 3 apples."], sp, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def _context_costs(draft_ctx: float, verify_ctx: float) -> StepCostModel:
+    """_costs() plus attention per token of context: draft_ctx per draft forward, verify_ctx per
+    target forward and window token (so a width-(k+1) verify costs verify_ctx * (k + 1))."""
+    table = {
+        b: [StepCosts(b, k, 5.0, 0.5, 5.0, draft_ctx, verify_ctx * (k + 1)) for k in range(K + 1)]
+        for b in (1, 64)
+    }
+    return StepCostModel(K, (1, 2, 4, 8, 16, 32, 64), table)
+
+
+def test_context_term_of_the_cost_model():
+    costs = _context_costs(draft_ctx=1e-4, verify_ctx=2e-4)
+    # all rows draft k: k draft forwards and one verify of width k + 1, per token of context
+    np.testing.assert_allclose(costs.context_ms(16), [k * 1e-4 + 2e-4 * (k + 1) for k in range(K + 1)])
+    chooser = AdaptiveDraftLength(K, costs)
+    row_ks = np.array([3, 1])
+    assert chooser.modelled_ms(row_ks, context=1000) == pytest.approx(
+        chooser.modelled_ms(row_ks) + 1000 * costs.context_ms(2)[3]
+    )
+    # the learned overhead is what the model leaves out, whatever the context
+    for context in (1000, 50_000):
+        chooser.observe_time(row_ks, chooser.modelled_ms(row_ks, context=context) + 1.0, context)
+    assert costs.overhead_ms(2)[3] == pytest.approx(1.0)
+
+
+def test_long_contexts_make_drafting_dearer():
+    """Each draft forward reads the whole context again: the same rows and acceptance draft K at a
+    short context and fewer, or none, at a long one."""
+    counts = np.array([0, 16, 0])
+    picks = []
+    for context in (16 * 300, 16 * 30_000):
+        chooser = AdaptiveDraftLength(K, _context_costs(draft_ctx=2e-5, verify_ctx=2e-5))
+        chooser.estimates.rates[:] = 0.8
+        picks.append(int(chooser.choose(counts, context)[THINKING]))
+    assert picks[0] == K and picks[1] < K
 
 
 def test_trace_records_each_fresh_choice():

@@ -340,14 +340,19 @@ class CUDAGraphCache:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def time_replay(self, key: tuple[int, int], reps: int = 5) -> float:
+    def time_replay(
+        self, key: tuple[int, int], reps: int = 5, context: int = 0, num_blocks: int = 1, block_size: int = 1
+    ) -> float:
         """Median ms of one replay of key's graph (captured first if missing) on the capture's dummy
         inputs, which write no KV slot; the cost model of the adaptive draft length reads it.
+        context > q: every sequence attends over `context` tokens instead of its q, in blocks of its
+        own (row r reads blocks r*W..r*W+W-1 modulo num_blocks of block_size slots), so that the
+        time includes attention over that much K/V as a real step's does.
         Leaves the static buffers as a capture does: the next replay brings its own inputs."""
         self.ensure_captured(key)
         graph = self.graphs[key]
         with torch.cuda.device(self.device):
-            self._dummy_inputs(*key)
+            self._dummy_inputs(*key, context=context, num_blocks=num_blocks, block_size=block_size)
             graph.replay()  # first replay after capture may pay for lazy allocations
             times = []
             for _ in range(reps):
@@ -357,21 +362,35 @@ class CUDAGraphCache:
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
+            if context > key[1]:
+                self._dummy_inputs(*key)
         return float(np.median(times))
 
-    def _dummy_inputs(self, bucket: int, q: int) -> None:
+    def _dummy_inputs(
+        self, bucket: int, q: int, context: int = 0, num_blocks: int = 1, block_size: int = 1
+    ) -> None:
         """Inputs of a capture: every sequence q tokens at positions 0..q-1, no KV slot written;
-        block tables point at block 0 (reads of it are harmless)."""
+        block tables point at block 0 (reads of it are harmless). context > q (time_replay): the q
+        tokens at positions context-q..context-1 over distinct blocks instead."""
         layout = self.layout((bucket, q), 0)
         host = np.zeros(layout.fixed_size, dtype=np.int64)
         ids, pos, slot, rows, qsl, lens, _ = layout.split(host)
-        pos[:] = np.tile(np.arange(q), bucket)
+        length = max(context, q)
+        pos[:] = np.tile(np.arange(length - q, length), bucket)
         slot[:] = -1
         rows[:] = np.arange(bucket * q)
         qsl[:] = np.arange(bucket + 1) * q
-        lens[:] = q
+        lens[:] = length
         self.inputs[: layout.fixed_size].copy_(torch.from_numpy(host))
         self.block_tables.fill_(0)
+        if length > q:
+            width = -(-length // block_size)
+            if width > self.spec.max_blocks_per_seq:
+                raise ValueError(
+                    f"context {length} needs {width} blocks, the tables hold {self.spec.max_blocks_per_seq}"
+                )
+            blocks = torch.arange(bucket * width, device=self.device, dtype=torch.int32) % num_blocks
+            self.block_tables[:bucket, :width] = blocks.view(bucket, width)
         self._clean_from = self.spec.max_blocks_per_seq
 
     def _forward(self, key: tuple[int, int]) -> None:

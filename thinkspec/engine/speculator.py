@@ -138,6 +138,7 @@ class _Plan:
     decodes: list[Sequence]  # the decode rows
     choice: tuple[list[int], list[int], list[int], np.ndarray]  # Speculator._choose's
     thinking: list[bool]  # [R] the phase each decode row's choice was made for
+    context: int  # tokens of the decode rows' sequences, summed (what their attention reads)
     timed: tuple[float, int] | None  # (start, builds then) when the step is a timing sample
 
 
@@ -202,7 +203,8 @@ class Speculator:
         self.draft_runner = draft_runner
         # adaptive_k: chooses each step's draft lengths; None drafts k every step.
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
-        self._last_step: tuple[float, int, np.ndarray] | None = None  # (start, builds then, row_ks)
+        # (start, builds then, row_ks, context tokens) of the last step, a timing sample
+        self._last_step: tuple[float, int, np.ndarray, int] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
         if config.adaptive_k:
             self.draft_length = AdaptiveDraftLength(self.k, self._cost_model())
@@ -260,12 +262,14 @@ class Speculator:
         builds = self._num_builds()
         self._time_last_step(now, builds)
         decodes = _decode_rows(seqs, num_new, sample_mask)
-        choice, thinking = self._choose(seqs, decodes)
+        choice, thinking, context = self._choose(seqs, decodes)
         decodes_only = len(decodes) == len(seqs)
         # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
         steady = not choice[0] or not self.has_draft_model or self._draft_in_step(seqs)
         timed = (now, builds) if decodes_only and steady else None
-        self._plan = _Plan([id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, timed)
+        self._plan = _Plan(
+            [id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, context, timed
+        )
         return decodes_only and not choice[0]
 
     def record_plan(self) -> tuple[list[int], list[int], list[int], np.ndarray]:
@@ -285,7 +289,7 @@ class Speculator:
             if metrics is None:
                 metrics = seq.metrics.spec_decode = SpecDecodeMetrics()
             metrics.count_draft_length(k, t)
-        self._last_step = None if plan.timed is None else (*plan.timed, row_ks)
+        self._last_step = None if plan.timed is None else (*plan.timed, row_ks, plan.context)
         return plan.choice
 
     def forget_last_step(self) -> None:
@@ -299,7 +303,7 @@ class Speculator:
         last, self._last_step = self._last_step, None
         if last is None or self.draft_length is None or last[1] != builds:
             return
-        self.draft_length.observe_time(last[2], 1e3 * (now - last[0]))
+        self.draft_length.observe_time(last[2], 1e3 * (now - last[0]), last[3])
 
     @staticmethod
     def _draft_in_step(seqs: list[Sequence]) -> bool:
@@ -394,15 +398,15 @@ class Speculator:
 
     def _choose(
         self, seqs: list[Sequence], decodes: list[int]
-    ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool]]:
+    ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool], int]:
         """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
         the request has left). Returns ((spec_index: rows that draft, their max_drafts, their GROUPS
         index, row_ks [R] of every decode row, 0 = a plain row), thinking [R] bool of every decode
-        row). Runs before every step, plain ones included: per row only a few attribute reads
-        unless its group drafts."""
+        row, the decode rows' tokens summed: the context their attention reads). Runs before every
+        step, plain ones included: per row only a few attribute reads unless its group drafts."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
-        thinking, groups, counts = [], [], [0] * len(GROUPS)
+        thinking, groups, counts, context = [], [], [0] * len(GROUPS), 0
         for i in decodes:
             seq = seqs[i]
             t = self.is_thinking(seq)
@@ -410,9 +414,10 @@ class Speculator:
             thinking.append(t)
             groups.append(g)
             counts[g] += 1
-        group_ks = self.draft_length.choose(counts).tolist()
+            context += seq.num_tokens
+        group_ks = self.draft_length.choose(counts, context).tolist()
         if not any(group_ks):  # the plain step: no row drafts, no caps to work out
-            return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking
+            return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
                     for g, i in zip(groups, decodes)]  # fmt: skip
         chosen = [b for b, k in enumerate(row_list) if k > 0]
@@ -424,7 +429,7 @@ class Speculator:
         spec_index = [decodes[b] for b in chosen]
         choice = (spec_index, [row_list[b] for b in chosen], [groups[b] for b in chosen],
                   np.array(row_list, dtype=np.int64))  # fmt: skip
-        return choice, thinking
+        return choice, thinking, context
 
     def _build_verify_batch(
         self,

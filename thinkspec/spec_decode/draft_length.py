@@ -119,9 +119,10 @@ class AdaptiveDraftLength:
         # A list to record every timed step in, (rows, kmax, wall ms, modelled device ms), or None
         self.steps: list[tuple[int, int, float, float]] | None = None
 
-    def choose(self, counts: np.ndarray | list[int]) -> np.ndarray:
-        """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0).
-        A reused all-plain choice takes the plain-Python path: it runs before every plain step."""
+    def choose(self, counts: np.ndarray | list[int], context: int = 0) -> np.ndarray:
+        """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0),
+        context tokens in all (their sequences' lengths summed). A reused all-plain choice takes the
+        plain-Python path: it runs before every plain step."""
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
         self.probe_rows = None
@@ -132,7 +133,7 @@ class AdaptiveDraftLength:
         best = self._cached_best(key)
         if best is None:
             self.costs.ensure(sum(key))
-            grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64))
+            grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context)
             rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
             pick = int(np.argmax(rates))
             if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
@@ -140,7 +141,7 @@ class AdaptiveDraftLength:
             best = grid[:, pick]
             cached = self._cache = (key, best, bool(best.any()), self.num_choices)
             if self.trace is not None:
-                self._record(key, present, best, rates, pick, cost[pick])
+                self._record(key, present, best, rates, pick, cost[pick], context)
         assert cached is not None
         drafts = cached[2]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
@@ -156,7 +157,14 @@ class AdaptiveDraftLength:
         return ks
 
     def _record(
-        self, counts: list[int], present: list[int], best: np.ndarray, rates: np.ndarray, pick: int, ms: float
+        self,
+        counts: list[int],
+        present: list[int],
+        best: np.ndarray,
+        rates: np.ndarray,
+        pick: int,
+        ms: float,
+        context: int,
     ) -> None:
         """One trace entry: the choice (best [P], the ks of the groups present; column pick of the
         grid) and what it was made from (rates [N]: modelled tokens per ms of every choice, column 0
@@ -171,13 +179,14 @@ class AdaptiveDraftLength:
             "best_drafting_tok_per_ms": round(float(rates[1:].max(initial=0.0)), 4),
             "plain_tok_per_ms": round(float(rates[0]), 4),
             "modelled_ms": round(float(ms), 4),
+            "context": int(context),
             "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
             "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
         })  # fmt: skip
 
-    def evaluate(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def evaluate(self, counts: np.ndarray, context: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
-        [N], modelled ms [N]) for the N = (K+1)^P choices."""
+        [N], modelled ms [N]) for the N = (K+1)^P choices; context: tokens of context in all."""
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.float64)  # [P]
         batch = int(counts.sum())
@@ -191,7 +200,7 @@ class AdaptiveDraftLength:
             rows = (n[:, None, None] * (grid[:, :, None] > j[None, None, :])).sum(axis=0)  # [N, K-1]
             fix = np.where(rows > 0, self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch)), 0.0)
             cost = cost + np.where(j[None, :] < kmax[:, None], fix, 0.0).sum(axis=1)
-        cost = cost + self.costs.overhead_ms(batch)[kmax]
+        cost = cost + self.costs.overhead_ms(batch)[kmax] + context * self.costs.context_ms(batch)[kmax]
         return grid, gain, np.maximum(cost, 1e-6)
 
     def _cached_best(self, counts: list[int]) -> np.ndarray | None:
@@ -216,14 +225,14 @@ class AdaptiveDraftLength:
             grid = self._grids[num_groups] = np.array(list(choices), dtype=np.int64).T
         return grid
 
-    def modelled_ms(self, row_ks: np.ndarray, kmax: int | None = None) -> float:
-        """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out);
-        kmax: row_ks.max() when the caller has it."""
+    def modelled_ms(self, row_ks: np.ndarray, kmax: int | None = None, context: int = 0) -> float:
+        """Device ms the cost model gives a step whose decode rows draft row_ks [R] (overhead left out)
+        over context tokens in all; kmax: row_ks.max() when the caller has it."""
         batch = len(row_ks)
         if batch == 0:
             return 0.0
         kmax = int(row_ks.max()) if kmax is None else kmax
-        ms = float(self.costs.round_ms(batch)[kmax])
+        ms = float(self.costs.round_ms(batch)[kmax] + context * self.costs.context_ms(batch)[kmax])
         if kmax > 1:
             rows = (row_ks[None, :] > np.arange(1, kmax)[:, None]).sum(axis=1)  # [kmax-1]
             ms += float((self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch))).sum())
@@ -239,11 +248,12 @@ class AdaptiveDraftLength:
         if len(groups):
             self.estimates.observe(groups, num_drafts, num_accepted)
 
-    def observe_time(self, row_ks: np.ndarray, wall_ms: float) -> None:
-        """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain)."""
+    def observe_time(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
+        """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain) over
+        context tokens in all."""
         if len(row_ks):
             kmax = int(row_ks.max())
-            modelled = self.modelled_ms(row_ks, kmax)
+            modelled = self.modelled_ms(row_ks, kmax, context)
             self.costs.observe(len(row_ks), kmax, wall_ms, modelled)
             if self.steps is not None:
                 self.steps.append((len(row_ks), kmax, wall_ms, modelled))
@@ -265,7 +275,7 @@ class ForcedDraftLength:
         """Every group drafts k (0 = plain decode steps)."""
         return cls(k_max, lambda step, counts: np.full(len(GROUPS), k))
 
-    def choose(self, counts: np.ndarray) -> np.ndarray:
+    def choose(self, counts: np.ndarray, context: int = 0) -> np.ndarray:
         ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
         ks = np.clip(ks, 0, self.k_max)
         self.num_choices += 1
@@ -274,6 +284,6 @@ class ForcedDraftLength:
     def observe(self, *args: object) -> None:
         pass
 
-    def observe_time(self, row_ks: np.ndarray, wall_ms: float) -> None:
+    def observe_time(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
         if self.steps is not None and len(row_ks):
             self.steps.append((len(row_ks), int(row_ks.max()), wall_ms, float("nan")))

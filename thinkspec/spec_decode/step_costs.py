@@ -11,7 +11,10 @@ row its own window, graph width max k + 1) costs
 
   round_ms(B, kmax) + sum_{j=1}^{kmax-1} (draft_ms(n_j) - draft_ms(B))     n_j: rows drafting > j
 
-since draft forward j only runs the rows that still draft. On top of that each step pays work the
+since draft forward j only runs the rows that still draft. Attention over the rows' contexts comes
+on top, C x context_ms(B)[kmax] for C tokens of context over the rows: each forward reads the K/V
+of every row again (kmax draft forwards and the verify), which at long contexts outweighs the rest.
+On top of that each step pays work the
 graph timings do not see (scheduling, packing, the logits windows and acceptance, the host copy),
 which grows with the window at large batch: the model learns it online, per bucket and per longest
 window kmax (0 = the plain step), as an exponential moving average of (measured wall time -
@@ -19,9 +22,10 @@ modelled device time) that its first measurement starts. An entry not measured y
 nearest measured window of its bucket (the plain step only its own), else the nearest bucket's.
 
 Where the figures come from: on CUDA with graphs, `measure_bucket` times replays of the captured
-graphs (the target at every width 1..K+1, the draft at width 1) the first time a bucket is needed;
-without graphs (CPU, eager) `default_costs` stands in, a linear model of tokens per forward, and
-the learned overhead carries the rest.
+graphs (the target at every width 1..K+1, the draft at width 1) the first time a bucket is needed,
+each on its own q tokens and again over CONTEXT_PROBE tokens of context per row (the difference,
+per token, is its context_ms); without graphs (CPU, eager) `default_costs` stands in, a linear
+model of tokens per forward without a context term, and the learned overhead carries the rest.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from thinkspec.engine.model_runner import ModelRunner
 
 OVERHEAD_ALPHA = 0.05  # weight of one step's measurement in the learned host overhead
+CONTEXT_PROBE = 1024  # tokens of context per row the graph replays are also timed over
 MIN_OF = 3  # an overhead entry starts as the least of its first measurements
 
 
@@ -50,15 +55,24 @@ class StepCosts:
     plain_ms: float  # one plain decode step of the batch
     draft_ms: float  # one draft step of the batch
     verify_ms: float  # one target forward of batch x (k+1) tokens
+    # attention over the context, ms per token of context summed over the rows: one draft forward,
+    # one target forward of width k+1 (0: not measured)
+    draft_ctx_ms: float = 0.0
+    verify_ctx_ms: float = 0.0
 
     @property
     def round_ms(self) -> float:
         return self.k * self.draft_ms + self.verify_ms
 
+    @property
+    def round_ctx_ms(self) -> float:
+        return self.k * self.draft_ctx_ms + self.verify_ctx_ms
 
-def round_ms_at(costs: Seq[StepCosts], batch: float) -> float:
-    """Round time at any batch size: linear between the measured batch sizes, flat beyond them."""
-    pts = sorted((c.batch, c.round_ms) for c in costs)
+
+def round_ms_at(costs: Seq[StepCosts], batch: float, per_context_token: bool = False) -> float:
+    """Round time at any batch size (per_context_token: its attention per token of context):
+    linear between the measured batch sizes, flat beyond them."""
+    pts = sorted((c.batch, c.round_ctx_ms if per_context_token else c.round_ms) for c in costs)
     return float(np.interp(batch, [b for b, _ in pts], [ms for _, ms in pts]))
 
 
@@ -77,13 +91,32 @@ def measure_bucket(
     target: ModelRunner, draft: ModelRunner | None, bucket: int, k_max: int, reps: int = 5
 ) -> list[StepCosts]:
     """[K+1] StepCosts of one bucket from timed replays of the runners' graphs (captured here when
-    missing); a proposer without a draft model (n-gram) drafts for free on the device."""
+    missing); a proposer without a draft model (n-gram) drafts for free on the device. Each graph
+    is timed twice: on q-token contexts (its own tokens only), and over CONTEXT_PROBE tokens of
+    context per row (max_model_len if shorter), whose difference is its attention per token."""
     assert target.graphs is not None
-    verify = [target.graphs.time_replay((bucket, q), reps) for q in range(1, k_max + 2)]
-    draft_ms = 0.0
+    verify = [_replay_ms(target, (bucket, q), reps) for q in range(1, k_max + 2)]
+    draft_ms = (0.0, 0.0)
     if draft is not None and draft.graphs is not None:
-        draft_ms = draft.graphs.time_replay((bucket, 1), reps)
-    return [StepCosts(bucket, k, verify[0], draft_ms, verify[k]) for k in range(k_max + 1)]
+        draft_ms = _replay_ms(draft, (bucket, 1), reps)
+    return [
+        StepCosts(bucket, k, verify[0][0], draft_ms[0], verify[k][0], draft_ms[1], verify[k][1])
+        for k in range(k_max + 1)
+    ]
+
+
+def _replay_ms(runner: ModelRunner, key: tuple[int, int], reps: int) -> tuple[float, float]:
+    """(ms of one replay of key's graph on its own tokens, ms more per token of context over the
+    rows); the second 0 where max_model_len leaves no longer context to time."""
+    graphs = runner.graphs
+    assert graphs is not None
+    bucket, q = key
+    base = graphs.time_replay(key, reps)
+    context = min(CONTEXT_PROBE, graphs.spec.max_model_len)
+    if context <= q:
+        return base, 0.0
+    long = graphs.time_replay(key, reps, context, runner.num_blocks, runner.block_size)
+    return base, max(long - base, 0.0) / (bucket * (context - q))
 
 
 class StepCostModel:
@@ -107,6 +140,7 @@ class StepCostModel:
         n = len(self.buckets)
         self._by_distance = [sorted(range(n), key=lambda r, row=row: abs(r - row)) for row in range(n)]
         self._round: dict[int, np.ndarray] = {}  # batch -> round_ms(batch), until the next add
+        self._context: dict[int, np.ndarray] = {}  # batch -> context_ms(batch), ditto
         self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
         if not self.costs and measure is None:
             raise ValueError("StepCostModel needs costs or a way to measure them")
@@ -127,6 +161,7 @@ class StepCostModel:
             raise ValueError(f"need one bucket's StepCosts for k = 0..{self.k_max}, got {list(rows)}")
         self.costs[rows[0].batch] = list(rows)
         self._round.clear()
+        self._context.clear()
         self._draft_pts = None
 
     def round_ms(self, batch: int) -> np.ndarray:
@@ -136,6 +171,16 @@ class StepCostModel:
             rows = [c for b in sorted(self.costs) for c in self.costs[b]]
             by_k = [[c for c in rows if c.k == k] for k in range(self.k_max + 1)]
             cached = self._round[batch] = np.array([round_ms_at(costs, batch) for costs in by_k])
+        return cached
+
+    def context_ms(self, batch: int) -> np.ndarray:
+        """[K+1] device ms per token of context (summed over the rows) of a step where all `batch`
+        rows draft k: attention over the context, which the q-token replays of round_ms leave out."""
+        cached = self._context.get(batch)
+        if cached is None:
+            rows = [c for b in sorted(self.costs) for c in self.costs[b]]
+            by_k = [[c for c in rows if c.k == k] for k in range(self.k_max + 1)]
+            cached = self._context[batch] = np.array([round_ms_at(costs, batch, True) for costs in by_k])
         return cached
 
     def draft_ms(self, rows: np.ndarray) -> np.ndarray:
