@@ -39,12 +39,14 @@ RATE_ALPHA = 0.05  # weight of one observed draft in the EMA of its position's a
 # step would otherwise weigh 96%, and the estimate (and the choice) would follow one step's noise.
 MAX_STEP_WEIGHT = 0.2
 PROBE_PERIOD = 32
-# Drafting replaces the plain step only when modelled to emit over this much more tokens per ms. The
-# per-step model does not see what speculation costs beyond its own step: the rows' lengths drift
-# apart (a batch that started together ends with its last rows decoding alone), and leaving plain
-# decoding starts with the draft catching up. Measured at batch 64 (Qwen3-8B / 0.6B shapes): the model
-# rated k = 3 7-9% above the plain step while a fixed k = 3 ran 5-10% below plain decoding.
-PLAIN_MARGIN = 0.1
+# Drafting replaces the plain step only when modelled to emit over this much more tokens per ms: the
+# per-step model does not see what speculation costs beyond its own step (the rows' lengths drift
+# apart, and leaving plain decoding starts with the draft catching up). It was 10% while the model
+# left out attention over the context (it then rated k = 3 7-9% above plain at batch 64, where a fixed
+# k = 3 ran 5-10% below); with the context term the model itself rates drafting below plain there,
+# and 10% kept batch 16's answer-phase tail (drafting modelled 4-9% above plain) at plain steps that a
+# fixed k = 3 outran by 5%.
+PLAIN_MARGIN = 0.03
 REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
 # An all-plain choice learns nothing about acceptance while it lasts (no row drafts), only the cost
 # model's overheads move: reuse it longer, so that plain steps pay almost no host time for choosing.
