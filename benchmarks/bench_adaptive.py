@@ -374,16 +374,21 @@ def timed_sample(llm: LLM, run: Callable[[], Sample], what: str) -> Sample:
     raise AssertionError("unreachable")
 
 
-def step_times(steps: list[tuple[int, int, float, float]]) -> dict:
+def step_times(steps: list[tuple[int, int, float, float, bool]]) -> dict:
     """A run's timed steps (the speculator's time between the starts of two steps) by longest window
     kmax: count, median, mean, 10th and 90th percentile wall ms; with a cost model also the mean
     modelled device ms and the mean and median of wall - modelled (what the learned overhead follows);
-    the number of steps and their total ms; and the sequence of kmax over the run with each step's
-    wall ms (a run dropped for a build and run again logs both)."""
+    the number of steps and their total ms; the sequence of kmax over the run with each step's wall ms
+    (a run dropped for a build and run again logs both); and the steps that left plain decoding (the
+    draft caught up first) apart, as "switches": their count, wall ms and modelled device ms."""
+    switches = [s for s in steps if s[4]]
     out: dict = {"kmax_seq": [s[1] for s in steps], "wall_ms_seq": [round(s[2], 3) for s in steps],
-                 "num_steps": len(steps), "timed_ms": round(sum(s[2] for s in steps), 2)}  # fmt: skip
-    for k in sorted({s[1] for s in steps}):
-        wall = sorted(s[2] for s in steps if s[1] == k)
+                 "num_steps": len(steps), "timed_ms": round(sum(s[2] for s in steps), 2),
+                 "switches": {"n": len(switches), "wall_ms": [round(s[2], 3) for s in switches],
+                              "modelled_ms": [round(s[3], 3) for s in switches]}}  # fmt: skip
+    steady = [s for s in steps if not s[4]]
+    for k in sorted({s[1] for s in steady}):
+        wall = sorted(s[2] for s in steady if s[1] == k)
         q = statistics.quantiles(wall, n=10) if len(wall) > 1 else wall * 9
         entry = {
             "n": len(wall),
@@ -392,9 +397,9 @@ def step_times(steps: list[tuple[int, int, float, float]]) -> dict:
             "p10": round(q[0], 3),
             "p90": round(q[-1], 3),
         }
-        modelled = [s[3] for s in steps if s[1] == k and s[3] == s[3]]  # s[3] == s[3]: not NaN
+        modelled = [s[3] for s in steady if s[1] == k and s[3] == s[3]]  # s[3] == s[3]: not NaN
         if modelled:
-            extra = [s[2] - s[3] for s in steps if s[1] == k]
+            extra = [s[2] - s[3] for s in steady if s[1] == k]
             entry["modelled"] = round(statistics.fmean(modelled), 3)
             entry["extra_mean"] = round(statistics.fmean(extra), 3)
             entry["extra_median"] = round(statistics.median(extra), 3)
@@ -458,6 +463,8 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
         result["repeats_done"] = r + 1
         result["dropped_runs"] = DROPPED
         result["cost_model"] = cost_model_table(choosers[primary(args)].costs, max(batches))
+        switch = choosers[primary(args)].costs.switch
+        result["switch_ms"] = None if switch != switch else round(switch, 3)  # learned; NaN: none seen
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 

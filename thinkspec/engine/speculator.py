@@ -140,6 +140,7 @@ class _Plan:
     thinking: list[bool]  # [R] the phase each decode row's choice was made for
     context: int  # tokens of the decode rows' sequences, summed (what their attention reads)
     timed: tuple[float, int] | None  # (start, builds then) when the step is a timing sample
+    switch: bool  # it drafts while the draft model is behind: its time is the switch cost's sample
 
 
 def _windows_of(logits: torch.Tensor, windows: np.ndarray) -> torch.Tensor:
@@ -262,14 +263,16 @@ class Speculator:
         builds = self._num_builds()
         self._time_last_step(now, builds)
         decodes = _decode_rows(seqs, num_new, sample_mask)
-        choice, thinking, context = self._choose(seqs, decodes)
+        behind = self.has_draft_model and not self._draft_in_step(seqs)
+        choice, thinking, context = self._choose(seqs, decodes, behind)
         decodes_only = len(decodes) == len(seqs)
-        # A step whose draft first catches up over many tokens (after plain steps) is no timing sample.
-        steady = not choice[0] or not self.has_draft_model or self._draft_in_step(seqs)
-        timed = (now, builds) if decodes_only and steady else None
+        # A step whose draft first catches up over many tokens (after plain steps) samples the switch
+        # cost, not the steady step's.
+        timed = (now, builds) if decodes_only else None
         self._plan = _Plan(
-            [id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, context, timed
-        )
+            [id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, context, timed,
+            bool(choice[0]) and behind,
+        )  # fmt: skip
         return decodes_only and not choice[0]
 
     def record_plan(self) -> tuple[list[int], list[int], list[int], np.ndarray]:
@@ -289,7 +292,7 @@ class Speculator:
             if metrics is None:
                 metrics = seq.metrics.spec_decode = SpecDecodeMetrics()
             metrics.count_draft_length(k, t)
-        self._last_step = None if plan.timed is None else (*plan.timed, row_ks, plan.context)
+        self._last_step = None if plan.timed is None else (*plan.timed, row_ks, plan.context, plan.switch)
         return plan.choice
 
     def forget_last_step(self) -> None:
@@ -303,12 +306,13 @@ class Speculator:
         last, self._last_step = self._last_step, None
         if last is None or self.draft_length is None or last[1] != builds:
             return
-        self.draft_length.observe_time(last[2], 1e3 * (now - last[0]), last[3])
+        observe = self.draft_length.observe_switch if last[4] else self.draft_length.observe_time
+        observe(last[2], 1e3 * (now - last[0]), last[3])
 
     @staticmethod
     def _draft_in_step(seqs: list[Sequence]) -> bool:
         """Every sequence's draft K/V is at most 2 tokens behind (what one catch-up forward of a
-        steady speculative step feeds)."""
+        steady speculative step feeds); stops at the first that is not (plain steps: the first)."""
         return all(s.num_tokens - min(s.num_draft_computed_tokens, s.num_computed_tokens) <= 2 for s in seqs)
 
     def _num_builds(self) -> int:
@@ -397,12 +401,13 @@ class Speculator:
     # ---- stages --------------------------------------------------------------------------------
 
     def _choose(
-        self, seqs: list[Sequence], decodes: list[int]
+        self, seqs: list[Sequence], decodes: list[int], behind: bool = False
     ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool], int]:
         """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
         the request has left). Returns ((spec_index: rows that draft, their max_drafts, their GROUPS
         index, row_ks [R] of every decode row, 0 = a plain row), thinking [R] bool of every decode
-        row, the decode rows' tokens summed: the context their attention reads). Runs before every
+        row, the decode rows' tokens summed: the context their attention reads); behind: the draft
+        model has to catch up before drafting (see AdaptiveDraftLength.choose). Runs before every
         step, plain ones included: per row only a few attribute reads unless its group drafts."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
@@ -415,7 +420,7 @@ class Speculator:
             groups.append(g)
             counts[g] += 1
             context += seq.num_tokens
-        group_ks = self.draft_length.choose(counts, context).tolist()
+        group_ks = self.draft_length.choose(counts, context, behind).tolist()
         if not any(group_ks):  # the plain step: no row drafts, no caps to work out
             return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0

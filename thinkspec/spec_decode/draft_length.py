@@ -10,7 +10,10 @@ i is accepted given drafts 0..i-1 were. A row of group g that drafts k tokens th
 and a step where group g (n_g rows) drafts k_g costs StepCostModel's device time plus its learned
 host overhead (step_costs.py). `AdaptiveDraftLength.choose` takes the k per group, 0..K each, that
 maximises sum_g n_g E_g(k_g) / cost over the whole (K+1)^G grid (G <= 3 groups present); all
-zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_MARGIN.
+zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_MARGIN. After plain
+steps the draft model is behind and the first drafting step first catches it up (an eager forward
+over every token since, tens of ms at batch 16): while the engine says the rows are behind, a
+drafting choice also pays the learned switch cost, spread over SWITCH_HORIZON steps.
 
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
@@ -47,6 +50,9 @@ PROBE_PERIOD = 32
 # and 10% kept batch 16's answer-phase tail (drafting modelled 4-9% above plain) at plain steps that a
 # fixed k = 3 outran by 5%.
 PLAIN_MARGIN = 0.03
+# Steps a switch out of plain decoding is spread over: about what a choice lasts (REFRESH at least,
+# and a drafting choice is usually chosen again).
+SWITCH_HORIZON = 16
 REFRESH = 8  # steps a choice is reused for while the groups' sizes stay about the same
 # An all-plain choice learns nothing about acceptance while it lasts (no row drafts), only the cost
 # model's overheads move: reuse it longer, so that plain steps pay almost no host time for choosing.
@@ -111,20 +117,23 @@ class AdaptiveDraftLength:
         self.estimates = AcceptanceEstimates(k_max)
         self.num_choices = 0
         self._grids: dict[int, np.ndarray] = {}
-        # (counts [G], best ks of the groups present, whether any drafts, choice number)
-        self._cache: tuple[list[int], np.ndarray, bool, int] | None = None
+        # (counts [G], whether the rows were behind, best ks of the groups present, whether any
+        # drafts, choice number)
+        self._cache: tuple[list[int], bool, np.ndarray, bool, int] | None = None
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
         # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
         # plain decoding, None = every row of each group (read by the engine right after choose)
         self.probe_rows: int | None = None
-        # A list to record every timed step in, (rows, kmax, wall ms, modelled device ms), or None
-        self.steps: list[tuple[int, int, float, float]] | None = None
+        # A list to record every timed step in, (rows, kmax, wall ms, modelled device ms, whether it
+        # left plain decoding: a switch), or None
+        self.steps: list[tuple[int, int, float, float, bool]] | None = None
 
-    def choose(self, counts: np.ndarray | list[int], context: int = 0) -> np.ndarray:
+    def choose(self, counts: np.ndarray | list[int], context: int = 0, behind: bool = False) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0),
-        context tokens in all (their sequences' lengths summed). A reused all-plain choice takes the
-        plain-Python path: it runs before every plain step."""
+        context tokens in all (their sequences' lengths summed); behind: the draft model has to catch
+        up first (plain steps ran). A reused all-plain choice takes the plain-Python path: it runs
+        before every plain step."""
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
         self.probe_rows = None
@@ -132,20 +141,20 @@ class AdaptiveDraftLength:
             return np.zeros(len(GROUPS), dtype=np.int64)
         self.num_choices += 1
         cached = self._cache
-        best = self._cached_best(key)
+        best = self._cached_best(key, behind)
         if best is None:
             self.costs.ensure(sum(key))
-            grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context)
+            grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind)
             rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
             pick = int(np.argmax(rates))
             if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
                 pick = 0
             best = grid[:, pick]
-            cached = self._cache = (key, best, bool(best.any()), self.num_choices)
+            cached = self._cache = (key, behind, best, bool(best.any()), self.num_choices)
             if self.trace is not None:
-                self._record(key, present, best, rates, pick, cost[pick], context)
+                self._record(key, present, best, rates, pick, cost[pick], context, behind)
         assert cached is not None
-        drafts = cached[2]
+        drafts = cached[3]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
         probe = self.num_choices % period == 0
         ks = np.zeros(len(GROUPS), dtype=np.int64)
@@ -167,11 +176,12 @@ class AdaptiveDraftLength:
         pick: int,
         ms: float,
         context: int,
+        behind: bool,
     ) -> None:
         """One trace entry: the choice (best [P], the ks of the groups present; column pick of the
         grid) and what it was made from (rates [N]: modelled tokens per ms of every choice, column 0
-        the plain step; ms: the choice's modelled time; the learned overheads by kmax, the acceptance
-        estimates)."""
+        the plain step; ms: the choice's modelled time; whether the draft was behind and the learned
+        switch cost; the learned overheads by kmax, the acceptance estimates)."""
         assert self.trace is not None
         self.trace.append({
             "choice": self.num_choices,
@@ -182,13 +192,18 @@ class AdaptiveDraftLength:
             "plain_tok_per_ms": round(float(rates[0]), 4),
             "modelled_ms": round(float(ms), 4),
             "context": int(context),
+            "behind": behind,
+            "switch_ms": round(self.costs.switch_ms(), 4),
             "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
             "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
         })  # fmt: skip
 
-    def evaluate(self, counts: np.ndarray, context: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def evaluate(
+        self, counts: np.ndarray, context: int = 0, behind: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
-        [N], modelled ms [N]) for the N = (K+1)^P choices; context: tokens of context in all."""
+        [N], modelled ms [N]) for the N = (K+1)^P choices; context: tokens of context in all; behind:
+        drafting first catches the draft model up (its switch cost, spread over SWITCH_HORIZON)."""
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.float64)  # [P]
         batch = int(counts.sum())
@@ -203,16 +218,18 @@ class AdaptiveDraftLength:
             fix = np.where(rows > 0, self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch)), 0.0)
             cost = cost + np.where(j[None, :] < kmax[:, None], fix, 0.0).sum(axis=1)
         cost = cost + self.costs.overhead_ms(batch)[kmax] + context * self.costs.context_ms(batch)[kmax]
+        if behind:
+            cost = cost + np.where(kmax > 0, self.costs.switch_ms() / SWITCH_HORIZON, 0.0)
         return grid, gain, np.maximum(cost, 1e-6)
 
-    def _cached_best(self, counts: list[int]) -> np.ndarray | None:
+    def _cached_best(self, counts: list[int], behind: bool) -> np.ndarray | None:
         """The last choice, while it is recent (REFRESH steps, REFRESH_PLAIN for an all-plain one) and
-        made for about these counts: the same groups, each within 1/8 of its count (the grid search
-        costs ~0.1 ms of host time, a plain toy step ~0.3 ms)."""
+        made for about these counts, the draft model as far behind: the same groups, each within 1/8
+        of its count (the grid search costs ~0.1 ms of host time, a plain toy step ~0.3 ms)."""
         if self._cache is None:
             return None
-        cached, best, drafts, made = self._cache
-        if self.num_choices - made >= (REFRESH if drafts else REFRESH_PLAIN):
+        cached, was_behind, best, drafts, made = self._cache
+        if was_behind != behind or self.num_choices - made >= (REFRESH if drafts else REFRESH_PLAIN):
             return None
         for c, n in zip(cached, counts):
             if (c > 0) != (n > 0) or abs(c - n) * 8 > c:
@@ -258,7 +275,19 @@ class AdaptiveDraftLength:
             modelled = self.modelled_ms(row_ks, kmax, context)
             self.costs.observe(len(row_ks), kmax, wall_ms, modelled)
             if self.steps is not None:
-                self.steps.append((len(row_ks), kmax, wall_ms, modelled))
+                self.steps.append((len(row_ks), kmax, wall_ms, modelled, False))
+
+    def observe_switch(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
+        """Learn the switch cost from the wall time of a step that left plain decoding (its draft
+        caught up first; decode rows drafted row_ks [R]): what it took beyond the model and the
+        learned overhead of a steady step like it."""
+        if len(row_ks):
+            kmax = int(row_ks.max())
+            modelled = self.modelled_ms(row_ks, kmax, context)
+            steady = modelled + float(self.costs.overhead_ms(len(row_ks))[kmax])
+            self.costs.observe_switch(wall_ms - steady)
+            if self.steps is not None:
+                self.steps.append((len(row_ks), kmax, wall_ms, modelled, True))
 
 
 class ForcedDraftLength:
@@ -270,14 +299,14 @@ class ForcedDraftLength:
         self.num_choices = 0
         self.probe_rows: int | None = None  # every row drafts its group's k
         # As AdaptiveDraftLength's (modelled ms NaN: no cost model)
-        self.steps: list[tuple[int, int, float, float]] | None = None
+        self.steps: list[tuple[int, int, float, float, bool]] | None = None
 
     @classmethod
     def fixed(cls, k_max: int, k: int) -> ForcedDraftLength:
         """Every group drafts k (0 = plain decode steps)."""
         return cls(k_max, lambda step, counts: np.full(len(GROUPS), k))
 
-    def choose(self, counts: np.ndarray, context: int = 0) -> np.ndarray:
+    def choose(self, counts: np.ndarray, context: int = 0, behind: bool = False) -> np.ndarray:
         ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
         ks = np.clip(ks, 0, self.k_max)
         self.num_choices += 1
@@ -286,6 +315,11 @@ class ForcedDraftLength:
     def observe(self, *args: object) -> None:
         pass
 
-    def observe_time(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
+    def observe_time(
+        self, row_ks: np.ndarray, wall_ms: float, context: int = 0, switch: bool = False
+    ) -> None:
         if self.steps is not None and len(row_ks):
-            self.steps.append((len(row_ks), int(row_ks.max()), wall_ms, float("nan")))
+            self.steps.append((len(row_ks), int(row_ks.max()), wall_ms, float("nan"), switch))
+
+    def observe_switch(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
+        self.observe_time(row_ks, wall_ms, context, True)

@@ -20,6 +20,9 @@ which grows with the window at large batch: the model learns it online, per buck
 window kmax (0 = the plain step), as an exponential moving average of (measured wall time -
 modelled device time) that its first measurement starts. An entry not measured yet borrows the
 nearest measured window of its bucket (the plain step only its own), else the nearest bucket's.
+The first drafting step after plain steps costs more again: the draft model catches up over every
+token since in one eager forward. That switch cost is learned apart (observe_switch), one figure
+for all buckets, from what such steps took beyond a steady step's model and overhead.
 
 Where the figures come from: on CUDA with graphs, `measure_bucket` times replays of the captured
 graphs (the target at every width 1..K+1, the draft at width 1) the first time a bucket is needed,
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
     from thinkspec.engine.model_runner import ModelRunner
 
 OVERHEAD_ALPHA = 0.05  # weight of one step's measurement in the learned host overhead
+# weight of one switch's measurement in the learned switch cost: switches are rare (a few per run)
+SWITCH_ALPHA = 0.25
 CONTEXT_PROBE = 1024  # tokens of context per row the graph replays are also timed over
 MIN_OF = 3  # an overhead entry starts as the least of its first measurements
 
@@ -136,6 +141,10 @@ class StepCostModel:
         # [buckets, K+1] learned ms per step by longest window kmax (0 = plain), NaN = not measured
         self.overhead = np.full((len(self.buckets), k_max + 1), np.nan)
         self.seen = np.zeros((len(self.buckets), k_max + 1), dtype=np.int64)  # measurements of each entry
+        # learned ms a drafting step costs beyond a steady one when the draft model first catches up
+        # over the tokens of the plain steps before it (an eager forward); NaN = not measured
+        self.switch = math.nan
+        self.switches = 0  # measurements of it
         # per bucket row: every row, nearest first (ties: the smaller bucket), where overheads are borrowed
         n = len(self.buckets)
         self._by_distance = [sorted(range(n), key=lambda r, row=row: abs(r - row)) for row in range(n)]
@@ -222,3 +231,18 @@ class StepCostModel:
             new = cur + OVERHEAD_ALPHA * (min(extra, 2.0 * cur + 1.0) - cur)
         self.overhead[row, kmax] = new
         self.seen[row, kmax] = seen + 1
+
+    def switch_ms(self) -> float:
+        """Learned ms of leaving plain decoding (see observe_switch); 0 before any was measured."""
+        return 0.0 if math.isnan(self.switch) else self.switch
+
+    def observe_switch(self, extra_ms: float) -> None:
+        """Learn the cost of leaving plain decoding from one such step's wall time beyond its modelled
+        device time and learned overhead: the least of the first MIN_OF (a first one may compile),
+        then an exponential moving average."""
+        extra = max(extra_ms, 0.0)
+        if math.isnan(self.switch) or self.switches < MIN_OF:
+            self.switch = extra if math.isnan(self.switch) else min(self.switch, extra)
+        else:
+            self.switch += SWITCH_ALPHA * (extra - self.switch)
+        self.switches += 1
