@@ -19,9 +19,11 @@ from thinkspec.spec_decode.draft_length import (
     PROBE_PERIOD,
     REFRESH,
     REFRESH_PLAIN,
+    SWITCH_HORIZON,
     THINKING,
     AcceptanceEstimates,
     AdaptiveDraftLength,
+    ForcedDraftLength,
     expected_tokens,
 )
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
@@ -489,3 +491,101 @@ def test_trace_records_each_fresh_choice():
     assert one["tok_per_ms"] > one["plain_tok_per_ms"] > 0 and len(one["overhead_ms"]) == K + 1
     assert one["rates"]["thinking"] == [0.9] * K and set(one["rates"]) == {"answer", "thinking"}
     assert two["ks"] == {"answer": 0, "thinking": 0} and two["tok_per_ms"] == two["plain_tok_per_ms"]
+
+
+def test_switch_cost_is_learned_from_switch_steps():
+    """The least of the first three samples (a first one may compile), then a moving average; a step
+    faster than the steady model counts as no cost. The chooser samples it beyond the model and the
+    learned overhead of a steady step."""
+    costs = _costs()
+    assert costs.switch_ms() == 0.0  # nothing measured
+    for extra in (900.0, 40.0, -3.0):
+        costs.observe_switch(extra)
+    assert costs.switch_ms() == 0.0
+    costs.observe_switch(40.0)
+    assert 0.0 < costs.switch_ms() < 40.0
+    chooser = AdaptiveDraftLength(K, _costs())
+    row_ks = np.array([2, 2])
+    chooser.observe_time(row_ks, chooser.modelled_ms(row_ks) + 1.0)  # steady: overhead 1 ms
+    chooser.observe_switch(row_ks, chooser.modelled_ms(row_ks) + 31.0)
+    assert chooser.costs.switch_ms() == pytest.approx(30.0)
+    assert chooser.costs.overhead_ms(2)[2] == pytest.approx(1.0)  # the switch moved no overhead
+
+
+def test_a_draft_behind_pays_the_switch_cost():
+    """Drafting one row k = 1 at acceptance 0.3 emits 1.3 tokens in 5.5 ms against 1 in 5 ms (18%
+    more per ms): with the draft in step it drafts. Behind, with a switch cost of 1 ms per step over
+    SWITCH_HORIZON, drafting is 1.3 tokens in 6.5 ms, no better than plain: it stays plain. A plain
+    choice made while behind is not reused once the draft is in step again, nor the reverse."""
+    counts = np.array([0, 1, 0])
+    chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+    chooser.estimates.rates[:] = 0.0
+    chooser.estimates.rates[THINKING, 0] = 0.3
+    chooser.costs.observe_switch(1.0 * SWITCH_HORIZON)  # 1 ms per step over the horizon
+    assert chooser.choose(counts, behind=True).tolist() == [0, 0, 0]
+    assert chooser.choose(counts, behind=False)[THINKING] == 1
+    assert chooser.choose(counts, behind=True)[THINKING] == 0
+    free = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))  # no switch measured yet: no cost
+    free.estimates.rates[:] = chooser.estimates.rates
+    assert free.choose(counts, behind=True)[THINKING] == 1
+
+
+def test_engine_samples_the_switch_at_the_first_drafting_step_after_plain_steps():
+    """End to end on CPU with a forced policy (plain for 6 steps, then K): the engine tells the chooser
+    the draft is behind once plain steps ran, and the first drafting step after them is the one switch
+    sample, its steady steps the timing samples; the output is plain greedy's."""
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    spec = llm.llm_engine.speculator
+    policy = ForcedDraftLength(K, lambda step, counts: np.full(len(GROUPS), 0 if 1 <= step <= 6 else K))
+    behind, log = [], []
+    choose = policy.choose
+
+    def choosing(counts, context=0, late=False):
+        behind.append(late)
+        return choose(counts, context, late)
+
+    policy.choose = choosing
+    policy.observe_time = lambda ks, ms, context=0: log.append(("steady", int(ks.max())))
+    policy.observe_switch = lambda ks, ms, context=0: log.append(("switch", int(ks.max())))
+    spec.draft_length = policy
+    prompts = [[72, 105, 33], [65, 66]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    plain = LLM(target, device="cpu").generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    # choice 0: the prefill step; 1-6 plain, the draft 1, 2 (in step), then 3-6 tokens behind; 7 drafts
+    # while behind (the switch) and catches up; 8 on, in step again
+    assert behind[:8] == [False, False, False, True, True, True, True, True] and not any(behind[8:])
+    assert log[:7] == [("steady", 0)] * 6 + [("switch", K)]
+    assert len(log) > 8 and log[7:] == [("steady", K)] * (len(log) - 7)
+
+
+def test_a_step_that_compiled_is_no_timing_sample(monkeypatch):
+    """A Triton compile inside a step (a first catch-up forward at a new shape, say) makes its time no
+    sample, of the steady step or of the switch: with a forced k = K, one compile in the middle of
+    the run removes exactly one of the timing samples."""
+    from thinkspec.engine import speculator as speculator_module
+
+    def samples(compile_at: int | None) -> int:
+        target = tiny_checkpoint("qwen3", tied=True)
+        cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+        llm = LLM(target, device="cpu", speculative_config=cfg)
+        policy = ForcedDraftLength.fixed(K, K)
+        log = []
+        policy.observe_time = policy.observe_switch = lambda ks, ms, context=0: log.append(ms)
+        llm.llm_engine.speculator.draft_length = policy
+        calls = [0]
+
+        def count() -> int:  # the compile count as the engine reads it: 1 from the compile_at-th read
+            calls[0] += 1
+            return int(compile_at is not None and calls[0] >= compile_at)
+
+        monkeypatch.setattr(speculator_module, "compile_count", count)
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
+        return len(log)
+
+    assert samples(None) > 3
+    assert samples(4) == samples(None) - 1

@@ -120,11 +120,12 @@ def test_batch_size_flag_and_cell_names():
 def test_compile_hook_counts_and_chains(monkeypatch):
     knobs = pytest.importorskip("triton").knobs
     from thinkspec.bench import warmth
+    from thinkspec.engine import compiles
 
     seen = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *a, **k: seen.append(k))
-    monkeypatch.setattr(warmth, "_hook_installed", False)
-    assert warmth.install_compile_hook()
+    monkeypatch.setattr(compiles, "_hook_installed", False)
+    assert compiles.install_compile_hook()
     before = warmth.compiled_kernels()
     knobs.runtime.jit_post_compile_hook(key="x", repr="k")  # what Triton calls after each compile
     assert warmth.compiled_kernels() == before + 1

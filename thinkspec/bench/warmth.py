@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from thinkspec.engine.compiles import compile_count
+
 # The modules whose Triton kernels the engine launches.
 KERNEL_MODULES = (
     "thinkspec.layers.attention_triton",
@@ -60,43 +62,13 @@ def capture_graphs(llm: Any, max_batch: int) -> int:
     return build_counts(llm)["graphs"] - before
 
 
-_compiles = 0  # Triton compilations seen by the hook below since it was installed
-_hook_installed = False
-
-
-def _count_compile(previous: Any) -> Any:
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        global _compiles
-        _compiles += 1
-        return previous(*args, **kwargs) if previous is not None else None
-
-    return hook
-
-
-def install_compile_hook() -> bool:
-    """Count every Triton JIT compilation in this process from now on (chaining any hook already
-    set); False when this Triton has no post-compile hook (the JIT caches are scanned instead)."""
-    global _hook_installed
-    if _hook_installed:
-        return True
-    try:
-        from triton import knobs
-    except ImportError:
-        return False
-    runtime = getattr(knobs, "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
-        return False
-    runtime.jit_post_compile_hook = _count_compile(runtime.jit_post_compile_hook)
-    _hook_installed = True
-    return True
-
-
 def compiled_kernels() -> int:
     """Triton compilations counted by the post-compile hook (installed on first call, so only
     differences between calls mean anything); without the hook, the compiled variants held by the
     JIT caches of the kernel modules that are loaded."""
-    if install_compile_hook():
-        return _compiles
+    count = compile_count()
+    if count is not None:
+        return count
     total = 0
     for name in KERNEL_MODULES:
         module = sys.modules.get(name)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from thinkspec.config import SpeculativeConfig
+from thinkspec.engine.compiles import compile_count
 from thinkspec.engine.cuda_graph import MAX_CAPTURE_BATCH, graph_batch_sizes
 from thinkspec.engine.model_runner import ModelRunner
 from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_step_logprobs, sample_with_extras
@@ -263,9 +264,11 @@ class Speculator:
         builds = self._num_builds()
         self._time_last_step(now, builds)
         decodes = _decode_rows(seqs, num_new, sample_mask)
-        behind = self.has_draft_model and not self._draft_in_step(seqs)
-        choice, thinking, context = self._choose(seqs, decodes, behind)
         decodes_only = len(decodes) == len(seqs)
+        # (prefill rows' draft runs their chunks in any speculative step: only decode rows fall behind)
+        rows = seqs if decodes_only else [seqs[i] for i in decodes]
+        behind = self.has_draft_model and not self._draft_in_step(rows)
+        choice, thinking, context = self._choose(seqs, decodes, behind)
         # A step whose draft first catches up over many tokens (after plain steps) samples the switch
         # cost, not the steady step's.
         timed = (now, builds) if decodes_only else None
@@ -316,12 +319,13 @@ class Speculator:
         return all(s.num_tokens - min(s.num_draft_computed_tokens, s.num_computed_tokens) <= 2 for s in seqs)
 
     def _num_builds(self) -> int:
-        """Graphs captured and cost buckets measured so far; a step that changed it paid for them."""
+        """Graphs captured, cost buckets measured and Triton kernels compiled so far; a step that
+        changed it paid for them (a first catch-up forward at a new shape compiles, say)."""
         runners = (self.target_runner, self.draft_runner)
         n = sum(len(r.graphs.graphs) for r in runners if r is not None and r.graphs is not None)
         if isinstance(self.draft_length, AdaptiveDraftLength):
             n += len(self.draft_length.costs.costs)
-        return n
+        return n + (compile_count() or 0)  # None: no Triton to compile with
 
     def is_thinking(self, seq: Sequence) -> bool:
         """The phase the step's choice and histogram use: the synthetic profile's in that benchmark
