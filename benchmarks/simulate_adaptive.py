@@ -11,8 +11,11 @@ accepts them position by position with its phase's conditional rate (the profile
 and emits the accepted drafts plus one, capped by its room. A step's time is the JSON's median
 timed step of the speculating engine's fixed-k cell at that batch size, k the step's longest window
 (k = 0: the plain engine's time per token), linear in the number of unfinished rows between the
-measured batch sizes. What it leaves out: the draft's catch-up after plain steps, the cheaper draft
-forwards of rows with shorter windows, steps that a row leaving breaks out of async scheduling.
+measured batch sizes. The draft's catch-up: every row falls one token behind in a plain step, and
+the first drafting step after plain steps that left a row more than 2 behind costs --switch-ms more
+(the engine's switch; the chooser is told the draft is behind, and learns the cost from that step).
+What it leaves out: the cheaper draft forwards of rows with shorter windows, steps that a row leaving
+breaks out of async scheduling.
 
 Policies: plain, fixed k = 1..K and adaptive: AdaptiveDraftLength with the cost model the engine
 measured (the JSON's graph-replay figures per bucket), learning its overheads from the simulated
@@ -81,10 +84,19 @@ def conditional_rates(shares: list[float]) -> np.ndarray:
 class ClosedBatch:
     """One simulated run: rows, their progress and the step times (see the module docstring)."""
 
-    def __init__(self, batch: int, output_len: int, thinking_tokens: int, steps: tuple, rates: np.ndarray):
+    def __init__(
+        self,
+        batch: int,
+        output_len: int,
+        thinking_tokens: int,
+        steps: tuple,
+        rates: np.ndarray,
+        switch_ms: float = 0.0,
+    ):
         self.batch, self.output_len, self.thinking_tokens = batch, output_len, thinking_tokens
         self.step_batches, self.step_ms = steps  # [M], [M, K+1]
         self.rates = rates  # [G, K] conditional acceptance per group (only answer and thinking used)
+        self.switch_ms = switch_ms  # a drafting step's extra ms when plain steps left the draft behind
 
     def step_time(self, rows: int, kmax: int) -> float:
         return float(np.interp(rows, self.step_batches, self.step_ms[:, kmax]))
@@ -92,6 +104,7 @@ class ClosedBatch:
     def run(self, policy, rng: np.random.Generator) -> float:
         """Simulated seconds of one run; policy: an AdaptiveDraftLength or a fixed k (int)."""
         done = np.ones(self.batch, dtype=np.int64)  # output tokens so far (the first one from the prefill)
+        lag = 0  # plain steps since the last drafting step: tokens every row's draft is behind
         seconds = 0.0
         k_max = self.rates.shape[1]
         while True:
@@ -101,7 +114,7 @@ class ClosedBatch:
             groups = np.where(done[live] < self.thinking_tokens, THINKING, ANSWER)
             if isinstance(policy, AdaptiveDraftLength):
                 counts = np.bincount(groups, minlength=len(GROUPS))
-                ks = policy.choose(counts)[groups]
+                ks = policy.choose(counts, behind=lag > 2)[groups]
                 if policy.probe_rows is not None:  # a probe out of plain decoding: its first rows only
                     ks[np.flatnonzero(ks)[policy.probe_rows :]] = 0
             else:
@@ -113,9 +126,13 @@ class ClosedBatch:
             done[live] += accepted + 1
             drafting = ks > 0
             ms = self.step_time(live.size, int(ks.max()))
+            switch = bool(drafting.any()) and lag > 2
+            if switch:
+                ms += self.switch_ms
+            lag = 0 if drafting.any() else lag + 1
             if isinstance(policy, AdaptiveDraftLength):
                 policy.observe(groups[drafting], ks[drafting], accepted[drafting])
-                policy.observe_time(ks, ms)
+                (policy.observe_switch if switch else policy.observe_time)(ks, ms)
             seconds += ms / 1e3
 
 
@@ -128,6 +145,7 @@ SETTABLE = (
     "PROBE_PERIOD",
     "REFRESH",
     "REFRESH_PLAIN",
+    "SWITCH_HORIZON",
 )
 ESTIMATE_WEIGHTS = {"RATE_ALPHA": "alpha", "MAX_STEP_WEIGHT": "max_weight"}
 
@@ -145,22 +163,28 @@ def chooser(result: dict, k_max: int, settings: dict[str, float]) -> AdaptiveDra
     return policy
 
 
-def closed_batch(result: dict, batch: int, k_max: int) -> ClosedBatch:
-    """The JSON's good profile and step times at one batch size."""
+def closed_batch(result: dict, batch: int, k_max: int, switch_ms: float = 0.0) -> ClosedBatch:
+    """The JSON's good profile and step times at one batch size; switch_ms: see ClosedBatch."""
     profile = result["profiles"]["good"]
     rates = np.zeros((len(GROUPS), k_max))
     rates[ANSWER] = conditional_rates(profile["answer"])[:k_max]
     rates[THINKING] = conditional_rates(profile["thinking"])[:k_max]
     return ClosedBatch(
-        batch, result["output_len"], profile["thinking_tokens"], step_table(result, k_max), rates
+        batch, result["output_len"], profile["thinking_tokens"], step_table(result, k_max), rates, switch_ms
     )
 
 
 def simulate(
-    result: dict, batch: int, k_max: int, runs: int, seed: int, settings: dict[str, float] | None = None
+    result: dict,
+    batch: int,
+    k_max: int,
+    runs: int,
+    seed: int,
+    settings: dict[str, float] | None = None,
+    switch_ms: float = 0.0,
 ) -> dict[str, float]:
     """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size (its own chooser)."""
-    sim = closed_batch(result, batch, k_max)
+    sim = closed_batch(result, batch, k_max, switch_ms)
     tokens = batch * (sim.output_len - 1)
     out = {}
     policies: list[tuple[str, object]] = [("plain", 0)] + [(f"k={k}", k) for k in range(1, k_max + 1)]
@@ -179,10 +203,11 @@ def simulate_shared(
     runs: int,
     seed: int,
     settings: dict[str, float] | None = None,
+    switch_ms: float = 0.0,
 ) -> dict[int, float]:
     """Mean tok/s of adaptive at each batch size with one chooser for all of them, run in
     bench_adaptive.py's order: a warm-up pass over the batch sizes, then runs passes."""
-    sims = {b: closed_batch(result, b, k_max) for b in batches}
+    sims = {b: closed_batch(result, b, k_max, switch_ms) for b in batches}
     policy = chooser(result, k_max, settings or {})
     rng = np.random.default_rng(seed)
     for b in batches:
@@ -207,6 +232,8 @@ def main() -> None:
     names = (*SETTABLE, *ESTIMATE_WEIGHTS)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help=f"a chooser constant for a what-if run: {', '.join(names)}")  # fmt: skip
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="extra ms of a drafting step after plain steps (the draft's catch-up)")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     settings = {}
@@ -223,11 +250,15 @@ def main() -> None:
     shared = []
     if args.shared:
         shared = [
-            simulate_shared(result, batches, k_max, args.runs, seed, settings) for seed in range(args.seeds)
+            simulate_shared(result, batches, k_max, args.runs, seed, settings, args.switch_ms)
+            for seed in range(args.seeds)
         ]
     table = []
     for b in batches:
-        per_seed = [simulate(result, b, k_max, args.runs, seed, settings) for seed in range(args.seeds)]
+        per_seed = [
+            simulate(result, b, k_max, args.runs, seed, settings, args.switch_ms)
+            for seed in range(args.seeds)
+        ]
         for t, adaptive in zip(per_seed, shared):
             t["adaptive"] = adaptive[b]
         tok = {name: float(np.mean([t[name] for t in per_seed])) for name in per_seed[0]}
@@ -240,11 +271,12 @@ def main() -> None:
             "adaptive_over_plain": tok["adaptive"] / tok["plain"],
         })  # fmt: skip
     out = {"source": Path(args.result).name, "runs": args.runs, "seeds": args.seeds, "settings": settings,
-           "shared_chooser": args.shared, "rows": table}  # fmt: skip
+           "switch_ms": args.switch_ms, "shared_chooser": args.shared, "rows": table}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"simulated closed batch on the step times of {out['source']}: {args.seeds} seed(s) x {args.runs} "
-          f"runs, mean tok/s, settings {settings or 'as in the engine'}")  # fmt: skip
+          f"runs, mean tok/s, settings {settings or 'as in the engine'}, "
+          f"switch {args.switch_ms} ms")  # fmt: skip
     heads = ("plain", "best fixed", "adaptive", "ad/best", "(least)", "ad/plain")
     print(f"{'batch':>6} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, (9, 16, 9, 8, 8, 8))))
     for row in table:
