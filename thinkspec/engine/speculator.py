@@ -208,6 +208,8 @@ class Speculator:
         # (start, builds then, row_ks, context tokens) of the last step, a timing sample
         self._last_step: tuple[float, int, np.ndarray, int] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
+        # Triton compilations so far (None: none counted); Triton is a GPU-only import
+        self._compile_count = compile_count if self.device.type == "cuda" else lambda: None
         if config.adaptive_k:
             self.draft_length = AdaptiveDraftLength(self.k, self._cost_model())
         self._synthetic_table: torch.Tensor | None = None  # [2, k] conditional rates, answer / thinking
@@ -325,7 +327,7 @@ class Speculator:
         n = sum(len(r.graphs.graphs) for r in runners if r is not None and r.graphs is not None)
         if isinstance(self.draft_length, AdaptiveDraftLength):
             n += len(self.draft_length.costs.costs)
-        return n + (compile_count() or 0)  # None: no Triton to compile with
+        return n + (self._compile_count() or 0)
 
     def is_thinking(self, seq: Sequence) -> bool:
         """The phase the step's choice and histogram use: the synthetic profile's in that benchmark
