@@ -19,10 +19,19 @@ forwards and sampling), pack (the verify batch), verify_forward (the target's ex
 accept (rejection sampling, the phase bookkeeping), fetch (the one device->host copy, which waits for
 the device), outcomes, apply (the scheduler's commit) and rest, each the median over the steps; the
 device profile shows what of the step the graph replays do not cover.
+With --switch L (and --spec K) the engine is an adaptive_k one, async scheduling off (one step per
+choice), whose draft length is forced: L plain steps, then one step drafting K (the draft first
+catches up over the L tokens in one forward without graphs: the switch out of plain decoding);
+--warmup and --steps then count such cycles. The phases are the switch steps', the device profile
+is per cycle (L plain steps and the switch), and plain_step / switch_step / steady_step are the
+median wall ms of the cycles' plain steps, of their switch steps and of as many K-drafting steps run
+back to back afterwards (switch_extra = switch_step - steady_step: what leaving plain decoding costs
+beyond a steady step).
 Writes JSON (--out) and prints a short table last.
 
     python benchmarks/profile_step.py --out step.json                       # H200, batch 1
     python benchmarks/profile_step.py --batch 64 --spec 3 --out spec.json   # H200, speculative step
+    python benchmarks/profile_step.py --batch 16 --spec 3 --switch 24 --steps 10 --out switch.json
     python benchmarks/profile_step.py --small --device cpu --steps 5        # smoke test
 """
 
@@ -36,11 +45,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine import speculator as speculator_module
+from thinkspec.spec_decode.draft_length import GROUPS, ForcedDraftLength
 
 
 def _wrap(obj: object, attr: str, name: str, sums: dict[str, float]) -> None:
@@ -78,6 +89,16 @@ def _time_phases(engine, phases, sums: dict[str, float]) -> None:
         _wrap(obj, attr, name, sums)
 
 
+def start_cycles(engine, k: int, cycle: int) -> None:
+    """--switch: a forced policy whose choice n drafts k tokens per row when n is a multiple of cycle,
+    else none; steps run until the next one makes choice 1, which starts a cycle (the prefill step
+    makes no choice; choice 0 drafts with the draft in step)."""
+    policy = ForcedDraftLength(k, lambda step, counts: np.full(len(GROUPS), k if step % cycle == 0 else 0))
+    engine.speculator.draft_length = policy
+    while policy.num_choices != 1:
+        engine.step(finished_only=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -88,35 +109,44 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--spec", type=int, default=0, help="speculate with K drafts per row (0: plain steps)")
     ap.add_argument("--spec-rate", type=float, default=0.8, help="synthetic acceptance rate (--spec)")
+    ap.add_argument("--switch", type=int, default=0,
+                    help="(--spec) cycles of this many plain steps and one drafting step")  # fmt: skip
     ap.add_argument("--engine-args", default="{}", help="extra LLM(...) keyword arguments as JSON")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.switch and not args.spec:
+        ap.error("--switch needs --spec K")
     device = torch.device(args.device)
+    cycle = args.switch + 1  # engine steps per timed unit
     vocab = 1024 if args.small else 151936
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
         engine_args = dict(
             device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16",
             load_format="dummy", skip_tokenizer_init=True, max_num_seqs=max(args.batch, 1),
-            max_model_len=args.prompt_len + (args.warmup + 2 * args.steps) * (args.spec + 1) + 16,
+            max_model_len=args.prompt_len + (args.warmup + 3 * args.steps) * (args.spec + cycle) + 16,
         )  # fmt: skip
         if args.spec:
             draft = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
             engine_args["speculative_config"] = {
                 "model": str(draft), "num_speculative_tokens": args.spec,
-                "synthetic_acceptance_rate": args.spec_rate,
+                "synthetic_acceptance_rate": args.spec_rate, "adaptive_k": bool(args.switch),
             }  # fmt: skip
+        if args.switch:  # one engine step per choice, so the cycles' steps are known by number
+            engine_args["async_scheduling"] = False
         # --engine-args overrides, e.g. '{"max_model_len": 32768}' (split-KV follows max_model_len)
         llm = LLM(folder, **{**engine_args, **json.loads(args.engine_args)})
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(
-        temperature=0, max_tokens=(args.warmup + 2 * args.steps + 8) * (args.spec + 1), ignore_eos=True
+        temperature=0, max_tokens=(args.warmup + 3 * args.steps + 8) * (args.spec + cycle), ignore_eos=True
     )
     for i in range(args.batch):
         ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
         engine.add_request({"prompt_token_ids": ids}, params, str(i))
-    for _ in range(args.warmup):  # prefill, then decode steps: graphs for this batch are captured
+    if args.switch:  # cycles from choice 1 on: plain choices 1..L, the switch at L + 1
+        start_cycles(engine, args.spec, cycle)
+    for _ in range(args.warmup * cycle):  # prefill, then decode steps: graphs for this batch are captured
         engine.step(finished_only=True)
 
     def sync() -> None:
@@ -134,15 +164,22 @@ def main() -> None:
     rows = []
     sync()
     start = time.perf_counter()
-    for _ in range(args.steps):  # back to back, as generate() steps (no sync between steps)
+    plain_walls = []  # --switch: the cycles' plain steps
+    behind = []  # --switch: tokens the draft catches up over in each switch step, all rows
+    for i in range(args.steps * cycle):  # back to back, as generate() steps (no sync between steps)
         sums.clear()
+        if args.switch and (i + 1) % cycle == 0:
+            behind.append(sum(s.num_tokens - s.num_draft_computed_tokens for s in engine.scheduler.running))
         t0 = time.perf_counter()
         engine.step(finished_only=True)
         wall = (time.perf_counter() - t0) * 1e3
+        if (i + 1) % cycle:  # a plain step of a --switch cycle
+            plain_walls.append(wall)
+            continue
         rows.append(dict(wall=wall, **{n: sums.get(n, 0.0) for n in phase_names}))
     sync()
     phases = {
-        "step_mean": (time.perf_counter() - start) * 1e3 / args.steps,
+        "step_mean": (time.perf_counter() - start) * 1e3 / (args.steps * cycle),
         "step": statistics.median(r["wall"] for r in rows),
         "step_min": min(r["wall"] for r in rows),
         "step_max": max(r["wall"] for r in rows),  # a lazy graph capture or an eager step shows here
@@ -152,6 +189,23 @@ def main() -> None:
     # plain: the device->host copy (waits for the device) and the commit; spec: what no phase covers
     rest = "rest" if args.spec else "wait_and_commit"
     phases[rest] = statistics.median(r["wall"] - sum(r[n] for n in phase_names) for r in rows)
+    switch = None
+    if args.switch:
+        steady = ForcedDraftLength.fixed(args.spec, args.spec)
+        engine.speculator.draft_length = steady
+        for _ in range(2):  # the first of them catches the draft up over the last cycle's plain steps
+            engine.step(finished_only=True)
+        walls = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step(finished_only=True)
+            walls.append((time.perf_counter() - t0) * 1e3)
+        switch = dict(
+            plain_steps=args.switch, catch_up_tokens=statistics.median(behind),
+            plain_step=statistics.median(plain_walls), switch_step=phases["step"],
+            steady_step=statistics.median(walls), switch_extra=phases["step"] - statistics.median(walls),
+        )  # fmt: skip
+        start_cycles(engine, args.spec, cycle)  # back to cycles for the device profile
 
     device_stats = None
     if device.type == "cuda":
@@ -159,7 +213,7 @@ def main() -> None:
         sync()
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(args.steps):
+            for _ in range(args.steps * cycle):
                 engine.step(finished_only=True)
             sync()
         wall = (time.perf_counter() - t0) * 1e3 / args.steps
@@ -185,13 +239,20 @@ def main() -> None:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         shape="small" if args.small else "Qwen3-8B", batch=args.batch, prompt_len=args.prompt_len,
         spec_k=args.spec, spec_rate=args.spec_rate if args.spec else None, steps=args.steps,
-        floor_ms=floor_ms, phases_ms=phases, device_profile=device_stats,
+        floor_ms=floor_ms, phases_ms=phases, device_profile=device_stats, switch_ms=switch,
+        profile_unit="cycle" if args.switch else "step",
     )  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     what = f"speculative step (k={args.spec}, rate {args.spec_rate})" if args.spec else "engine step"
+    if switch:
+        what = f"switch step after {args.switch} plain steps (k={args.spec}, rate {args.spec_rate})"
     print(f"{what}, {result['shape']}, batch {args.batch}, floor {floor_ms:.2f} ms (medians, ms)")
     print("  " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    if switch:
+        print(f"  plain step {switch['plain_step']:.3f}  switch step {switch['switch_step']:.3f}  "
+              f"steady step {switch['steady_step']:.3f}  switch extra {switch['switch_extra']:.3f}  "
+              f"catch-up tokens {switch['catch_up_tokens']:.0f}")  # fmt: skip
     if device_stats:
         d = device_stats
         print(f"  profiled: wall {d['wall_ms_per_step']:.3f}  device busy {d['busy_ms_per_step']:.3f}  "

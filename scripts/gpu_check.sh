@@ -34,7 +34,9 @@
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
 #               "batch[:max_model_len[:mode]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
 #               max_model_len when empty; mode sync = async_scheduling off, specK = speculative steps
-#               drafting K tokens per row, e.g. "64::spec3"); STEP_ARGS go to every run
+#               drafting K tokens per row, e.g. "64::spec3"; switchK = cycles of SWITCH_PLAIN (24) plain
+#               steps and one step drafting K, timing the switch out of plain decoding against a
+#               steady step, e.g. "16::switch3"); STEP_ARGS go to every run
 #               (e.g. "--prompt-len 384" for a longer context)
 #   drafts      train toy draft variants (DRAFTS="name:steps[:fork_bias] ...") on the bundled pair's
 #               data (the difficulty range, rows of 2,048) and screen them with the simulated
@@ -175,6 +177,7 @@ if has step; then
     [ "$mode" = sync ] && args+=("\"async_scheduling\": false")
     spec=()
     [[ "$mode" == spec* ]] && spec=(--spec "${mode#spec}")
+    [[ "$mode" == switch* ]] && spec=(--spec "${mode#switch}" --switch "${SWITCH_PLAIN:-24}" --steps 10 --warmup 2)
     name="step_${bs}_${len:-short}${mode:+_$mode}"
     timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" "${spec[@]}" ${STEP_ARGS:-} \
       --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21

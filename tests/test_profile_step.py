@@ -52,6 +52,23 @@ def test_profile_step_smoke(tmp_path, spec):
     assert phases["step_mean"] >= phases["step_min"]  # total wall time of the steps / steps
 
 
+def test_profile_step_switch(tmp_path):
+    """--switch: cycles of plain steps and one drafting step; the switch step catches the draft up
+    over every row's plain-step tokens."""
+    out = tmp_path / "switch.json"
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
+           "--steps", "3", "--warmup", "1", "--spec", "2", "--switch", "5", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    switch = result["switch_ms"]
+    assert "switch step after 5 plain steps (k=2" in proc.stdout and result["profile_unit"] == "cycle"
+    # 2 rows x (5 plain tokens + the last drafting step's bonus, its drafts not yet fed to the draft)
+    assert switch["plain_steps"] == 5 and 2 * 5 < switch["catch_up_tokens"] <= 2 * (5 + 3)
+    assert switch["switch_step"] == result["phases_ms"]["step"] > 0 and switch["plain_step"] > 0
+    assert switch["switch_extra"] == pytest.approx(switch["switch_step"] - switch["steady_step"])
+
+
 def test_bench_throughput_smoke(tmp_path):
     # benchmarks/bench_throughput.py on CPU at tiny shapes: plain, sync and one speculative row,
     # each with its engine-step summary over the timed run
