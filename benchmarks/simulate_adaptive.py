@@ -114,7 +114,7 @@ class ClosedBatch:
             groups = np.where(done[live] < self.thinking_tokens, THINKING, ANSWER)
             if isinstance(policy, AdaptiveDraftLength):
                 counts = np.bincount(groups, minlength=len(GROUPS))
-                ks = policy.choose(counts, behind=lag > 2)[groups]
+                ks = policy.choose(counts, behind=[lag > 2] * len(GROUPS))[groups]
                 if policy.probe_rows is not None:  # a probe out of plain decoding: its first rows only
                     ks[np.flatnonzero(ks)[policy.probe_rows :]] = 0
             else:

@@ -518,16 +518,32 @@ def test_a_draft_behind_pays_the_switch_cost():
     SWITCH_HORIZON, drafting is 1.3 tokens in 6.5 ms, no better than plain: it stays plain. A plain
     choice made while behind is not reused once the draft is in step again, nor the reverse."""
     counts = np.array([0, 1, 0])
+    late, in_step = [False, True, False], [False] * 3
     chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
     chooser.estimates.rates[:] = 0.0
     chooser.estimates.rates[THINKING, 0] = 0.3
     chooser.costs.observe_switch(1.0 * SWITCH_HORIZON)  # 1 ms per step over the horizon
-    assert chooser.choose(counts, behind=True).tolist() == [0, 0, 0]
-    assert chooser.choose(counts, behind=False)[THINKING] == 1
-    assert chooser.choose(counts, behind=True)[THINKING] == 0
+    assert chooser.choose(counts, behind=late).tolist() == [0, 0, 0]
+    assert chooser.choose(counts, behind=in_step)[THINKING] == 1
+    assert chooser.choose(counts, behind=late)[THINKING] == 0
     free = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))  # no switch measured yet: no cost
     free.estimates.rates[:] = chooser.estimates.rates
-    assert free.choose(counts, behind=True)[THINKING] == 1
+    assert free.choose(counts, behind=late)[THINKING] == 1
+
+
+def test_only_groups_behind_pay_the_switch():
+    """Thinking rows in step draft on while the answer rows, behind, stay plain: the switch is paid
+    by a choice that drafts with the answer group only."""
+    counts = np.array([4, 4, 0])
+    chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+    chooser.estimates.rates[THINKING] = 0.9
+    chooser.estimates.rates[ANSWER] = 0.9
+    chooser.costs.observe_switch(1e3 * SWITCH_HORIZON)  # prohibitive
+    ks = chooser.choose(counts, behind=[True, False, False])
+    assert ks[THINKING] > 0 and ks[ANSWER] == 0
+    chooser.trace = []
+    ks = chooser.choose(counts, behind=[False, False, False])  # the answer rows caught up: a new choice
+    assert ks[THINKING] > 0 and ks[ANSWER] > 0 and chooser.trace[0]["behind"] == []
 
 
 def test_engine_samples_the_switch_at_the_first_drafting_step_after_plain_steps():
@@ -542,8 +558,8 @@ def test_engine_samples_the_switch_at_the_first_drafting_step_after_plain_steps(
     behind, log = [], []
     choose = policy.choose
 
-    def choosing(counts, context=0, late=False):
-        behind.append(late)
+    def choosing(counts, context=0, late=None):
+        behind.append(any(late or []))
         return choose(counts, context, late)
 
     policy.choose = choosing
@@ -589,3 +605,44 @@ def test_a_step_that_compiled_is_no_timing_sample():
 
     assert samples(None) > 3
     assert samples(4) == samples(None) - 1
+
+
+def test_a_few_drafting_rows_catch_up_alone():
+    """After plain steps, a step where only 2 of 4 rows draft catches up those 2: the draft's first
+    forward does not feed the others, more than CATCH_UP_WIDTH behind, until they draft; the output
+    is plain greedy's."""
+    from thinkspec.spec_decode.draft_model import CATCH_UP_WIDTH
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    spec = llm.llm_engine.speculator
+    policy = ForcedDraftLength(K, lambda step, counts: np.full(len(GROUPS), 0 if 1 <= step <= 6 else K))
+    policy.probe_rows = 2  # every drafting step: the first 2 decode rows only
+    samples = []
+    policy.observe_time = lambda ks, ms, context=0: samples.append("steady")
+    policy.observe_switch = lambda ks, ms, context=0: samples.append("switch")
+    spec.draft_length = policy
+    fed = []  # tokens per row of every catch-up forward (forward 1)
+    runner = spec.proposer.runner
+    execute = runner.execute_model
+
+    def recording(seqs, num_new_tokens, *args, **kwargs):
+        if "input_token_ids" not in kwargs:
+            fed.append(list(num_new_tokens))
+        return execute(seqs, num_new_tokens, *args, **kwargs)
+
+    runner.execute_model = recording
+    prompts = [[72, 105, 33], [65, 66], [1, 2, 3, 4], [9, 8]]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    plain = LLM(target, device="cpu").generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    decode_forwards = fed[1:]  # fed[0]: the prompts' prefill
+    # two switches: rows 0-1 after the 6 plain steps (their 6 tokens and the one before), then rows
+    # 2-3, the first two decode rows once 0-1 finished, over all their tokens since
+    switch = [f for f in decode_forwards if max(f) > CATCH_UP_WIDTH]
+    assert len(switch) == 2 and switch[0] == [7, 7] and len(switch[1]) == 2 and min(switch[1]) > 7
+    assert all(len(f) == 2 for f in decode_forwards)  # the two rows not drafting are never fed
+    # the steps in between draft with rows in step: steady samples, though two rows lag behind
+    assert samples.count("switch") == 2 and samples.count("steady") > 2

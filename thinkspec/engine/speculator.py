@@ -38,7 +38,7 @@ from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength, group_of
-from thinkspec.spec_decode.draft_model import DraftModelProposer
+from thinkspec.spec_decode.draft_model import CATCH_UP_WIDTH, DraftModelProposer
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
 from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput, Proposer
@@ -267,17 +267,13 @@ class Speculator:
         self._time_last_step(now, builds)
         decodes = _decode_rows(seqs, num_new, sample_mask)
         decodes_only = len(decodes) == len(seqs)
-        # (prefill rows' draft runs their chunks in any speculative step: only decode rows fall behind)
-        rows = seqs if decodes_only else [seqs[i] for i in decodes]
-        behind = self.has_draft_model and not self._draft_in_step(rows)
-        choice, thinking, context = self._choose(seqs, decodes, behind)
+        choice, thinking, context, switch = self._choose(seqs, decodes)
         # A step whose draft first catches up over many tokens (after plain steps) samples the switch
         # cost, not the steady step's.
         timed = (now, builds) if decodes_only else None
         self._plan = _Plan(
-            [id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, context, timed,
-            bool(choice[0]) and behind,
-        )  # fmt: skip
+            [id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, context, timed, switch
+        )
         return decodes_only and not choice[0]
 
     def record_plan(self) -> tuple[list[int], list[int], list[int], np.ndarray]:
@@ -313,12 +309,6 @@ class Speculator:
             return
         observe = self.draft_length.observe_switch if last[4] else self.draft_length.observe_time
         observe(last[2], 1e3 * (now - last[0]), last[3])
-
-    @staticmethod
-    def _draft_in_step(seqs: list[Sequence]) -> bool:
-        """Every sequence's draft K/V is at most 2 tokens behind (what one catch-up forward of a
-        steady speculative step feeds); stops at the first that is not (plain steps: the first)."""
-        return all(s.num_tokens - min(s.num_draft_computed_tokens, s.num_computed_tokens) <= 2 for s in seqs)
 
     def _num_builds(self) -> int:
         """Graphs captured, cost buckets measured and Triton kernels compiled so far; a step that
@@ -407,17 +397,20 @@ class Speculator:
     # ---- stages --------------------------------------------------------------------------------
 
     def _choose(
-        self, seqs: list[Sequence], decodes: list[int], behind: bool = False
-    ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool], int]:
+        self, seqs: list[Sequence], decodes: list[int]
+    ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool], int, bool]:
         """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
         the request has left). Returns ((spec_index: rows that draft, their max_drafts, their GROUPS
         index, row_ks [R] of every decode row, 0 = a plain row), thinking [R] bool of every decode
-        row, the decode rows' tokens summed: the context their attention reads); behind: the draft
-        model has to catch up before drafting (see AdaptiveDraftLength.choose). Runs before every
-        step, plain ones included: per row only a few attribute reads unless its group drafts."""
+        row, the decode rows' tokens summed: the context their attention reads, whether a drafting
+        row's draft is more than CATCH_UP_WIDTH behind: the step first catches it up, a switch out
+        of plain decoding). Runs before every step, plain ones included: per row only a few
+        attribute reads unless its group drafts."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
         thinking, groups, counts, context = [], [], [0] * len(GROUPS), 0
+        late, behind = [], [False] * len(GROUPS)  # per decode row / group: the draft is behind
+        draft = self.has_draft_model
         for i in decodes:
             seq = seqs[i]
             t = self.is_thinking(seq)
@@ -425,10 +418,14 @@ class Speculator:
             thinking.append(t)
             groups.append(g)
             counts[g] += 1
-            context += seq.num_tokens
+            n = seq.num_tokens
+            context += n
+            lag = draft and n - min(seq.num_draft_computed_tokens, seq.num_computed_tokens) > CATCH_UP_WIDTH
+            late.append(lag)
+            behind[g] = behind[g] or lag
         group_ks = self.draft_length.choose(counts, context, behind).tolist()
         if not any(group_ks):  # the plain step: no row drafts, no caps to work out
-            return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context
+            return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context, False
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
                     for g, i in zip(groups, decodes)]  # fmt: skip
         chosen = [b for b, k in enumerate(row_list) if k > 0]
@@ -440,7 +437,7 @@ class Speculator:
         spec_index = [decodes[b] for b in chosen]
         choice = (spec_index, [row_list[b] for b in chosen], [groups[b] for b in chosen],
                   np.array(row_list, dtype=np.int64))  # fmt: skip
-        return choice, thinking, context
+        return choice, thinking, context, any(late[b] for b in chosen)
 
     def _build_verify_batch(
         self,

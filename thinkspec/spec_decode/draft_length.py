@@ -11,9 +11,9 @@ and a step where group g (n_g rows) drafts k_g costs StepCostModel's device time
 host overhead (step_costs.py). `AdaptiveDraftLength.choose` takes the k per group, 0..K each, that
 maximises sum_g n_g E_g(k_g) / cost over the whole (K+1)^G grid (G <= 3 groups present); all
 zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_MARGIN. After plain
-steps the draft model is behind and the first drafting step first catches it up (an eager forward
-over every token since, tens of ms at batch 16): while the engine says the rows are behind, a
-drafting choice also pays the learned switch cost, spread over SWITCH_HORIZON steps.
+steps the draft model is behind and the first drafting step first catches up its drafting rows (an
+eager forward over every token since, tens of ms at batch 16): a choice that drafts with a group the
+engine reports behind also pays the learned switch cost, spread over SWITCH_HORIZON steps.
 
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
@@ -117,9 +117,9 @@ class AdaptiveDraftLength:
         self.estimates = AcceptanceEstimates(k_max)
         self.num_choices = 0
         self._grids: dict[int, np.ndarray] = {}
-        # (counts [G], whether the rows were behind, best ks of the groups present, whether any
+        # (counts [G], which groups were behind [G], best ks of the groups present, whether any
         # drafts, choice number)
-        self._cache: tuple[list[int], bool, np.ndarray, bool, int] | None = None
+        self._cache: tuple[list[int], list[bool], np.ndarray, bool, int] | None = None
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
         # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
@@ -129,11 +129,14 @@ class AdaptiveDraftLength:
         # left plain decoding: a switch), or None
         self.steps: list[tuple[int, int, float, float, bool]] | None = None
 
-    def choose(self, counts: np.ndarray | list[int], context: int = 0, behind: bool = False) -> np.ndarray:
+    def choose(
+        self, counts: np.ndarray | list[int], context: int = 0, behind: list[bool] | None = None
+    ) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0),
-        context tokens in all (their sequences' lengths summed); behind: the draft model has to catch
-        up first (plain steps ran). A reused all-plain choice takes the plain-Python path: it runs
-        before every plain step."""
+        context tokens in all (their sequences' lengths summed); behind [G]: the group has rows whose
+        draft must catch up first (plain steps ran; None: none). A reused all-plain choice takes the
+        plain-Python path: it runs before every plain step."""
+        behind = behind or [False] * len(GROUPS)
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
         self.probe_rows = None
@@ -176,12 +179,12 @@ class AdaptiveDraftLength:
         pick: int,
         ms: float,
         context: int,
-        behind: bool,
+        behind: list[bool],
     ) -> None:
         """One trace entry: the choice (best [P], the ks of the groups present; column pick of the
         grid) and what it was made from (rates [N]: modelled tokens per ms of every choice, column 0
-        the plain step; ms: the choice's modelled time; whether the draft was behind and the learned
-        switch cost; the learned overheads by kmax, the acceptance estimates)."""
+        the plain step; ms: the choice's modelled time; the groups whose draft was behind and the
+        learned switch cost; the learned overheads by kmax, the acceptance estimates)."""
         assert self.trace is not None
         self.trace.append({
             "choice": self.num_choices,
@@ -192,18 +195,19 @@ class AdaptiveDraftLength:
             "plain_tok_per_ms": round(float(rates[0]), 4),
             "modelled_ms": round(float(ms), 4),
             "context": int(context),
-            "behind": behind,
+            "behind": [GROUPS[g] for g in present if behind[g]],
             "switch_ms": round(self.costs.switch_ms(), 4),
             "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
             "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
         })  # fmt: skip
 
     def evaluate(
-        self, counts: np.ndarray, context: int = 0, behind: bool = False
+        self, counts: np.ndarray, context: int = 0, behind: list[bool] | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
-        [N], modelled ms [N]) for the N = (K+1)^P choices; context: tokens of context in all; behind:
-        drafting first catches the draft model up (its switch cost, spread over SWITCH_HORIZON)."""
+        [N], modelled ms [N]) for the N = (K+1)^P choices; context: tokens of context in all; behind
+        [G]: a choice drafting with such a group first catches its draft up (the switch cost, spread
+        over SWITCH_HORIZON)."""
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.float64)  # [P]
         batch = int(counts.sum())
@@ -218,11 +222,13 @@ class AdaptiveDraftLength:
             fix = np.where(rows > 0, self.costs.draft_ms(rows) - self.costs.draft_ms(np.array(batch)), 0.0)
             cost = cost + np.where(j[None, :] < kmax[:, None], fix, 0.0).sum(axis=1)
         cost = cost + self.costs.overhead_ms(batch)[kmax] + context * self.costs.context_ms(batch)[kmax]
-        if behind:
-            cost = cost + np.where(kmax > 0, self.costs.switch_ms() / SWITCH_HORIZON, 0.0)
+        late = [i for i, g in enumerate(present) if behind is not None and behind[g]]  # rows of grid
+        if late:
+            pays = (grid[late] > 0).any(axis=0)  # [N]
+            cost = cost + np.where(pays, self.costs.switch_ms() / SWITCH_HORIZON, 0.0)
         return grid, gain, np.maximum(cost, 1e-6)
 
-    def _cached_best(self, counts: list[int], behind: bool) -> np.ndarray | None:
+    def _cached_best(self, counts: list[int], behind: list[bool]) -> np.ndarray | None:
         """The last choice, while it is recent (REFRESH steps, REFRESH_PLAIN for an all-plain one) and
         made for about these counts, the draft model as far behind: the same groups, each within 1/8
         of its count (the grid search costs ~0.1 ms of host time, a plain toy step ~0.3 ms)."""
@@ -306,7 +312,7 @@ class ForcedDraftLength:
         """Every group drafts k (0 = plain decode steps)."""
         return cls(k_max, lambda step, counts: np.full(len(GROUPS), k))
 
-    def choose(self, counts: np.ndarray, context: int = 0, behind: bool = False) -> np.ndarray:
+    def choose(self, counts: np.ndarray, context: int = 0, behind: list[bool] | None = None) -> np.ndarray:
         ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
         ks = np.clip(ks, 0, self.k_max)
         self.num_choices += 1

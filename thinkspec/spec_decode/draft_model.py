@@ -9,7 +9,9 @@ pointer its forwards reached (Proposal.draft_computed); the step's commit writes
 One round for the decode sequences S of a step, each with n_b <= k drafts allowed:
   forward 1  every scheduled sequence feeds the tokens the draft has not seen yet (prefill chunks
              mirror the target's; decode sequences catch up through their last committed token),
-             and S gets logits of its last row -> draft token 1
+             and S gets logits of its last row -> draft token 1; a decode sequence that drafts
+             nothing this step and is more than CATCH_UP_WIDTH tokens behind (plain steps ran) is
+             left behind until it drafts, so that a few rows drafting do not catch up them all
   forward j  S feeds draft token j-1 (still on the device) -> draft token j, for j = 2 .. max n_b
 """
 
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
 
 # Draft noise for a seeded request is keyed apart from the target's own sampling positions.
 _DRAFT_NOISE_POSITION = 1 << 40
+# Tokens a decode row that drafts nothing still feeds: what a steady step feeds (its new token, and
+# the last accepted draft), the widest forward 1 the draft's CUDA graphs cover.
+CATCH_UP_WIDTH = 2
 
 
 class DraftModelProposer:
@@ -90,14 +95,18 @@ class DraftModelProposer:
         computed: list[int],
     ) -> torch.Tensor | None:
         """Forward 1: every sequence feeds the tokens the draft has not seen (prefill chunks mirror the
-        target's, decodes catch up through their last token); logits [R, V] float32 of the speculating
-        rows that want drafts, in spec order (None when nothing ran). Updates computed in place."""
+        target's, decodes catch up through their last token, those that draft nothing only when at
+        most CATCH_UP_WIDTH behind); logits [R, V] float32 of the speculating rows that want drafts,
+        in spec order (None when nothing ran). Updates computed in place."""
         spec_of = {i: b for b, i in enumerate(spec_index)}
         f_seqs, f_num, f_start, f_logits = [], [], [], []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             b = spec_of.get(i)
             end = seq.num_tokens if b is not None else seq.num_computed_tokens + n
             if end <= computed[i]:
+                continue
+            decode = b is None and n == 1 and end == seq.num_tokens
+            if decode and end - computed[i] > CATCH_UP_WIDTH:
                 continue
             f_seqs.append(seq)
             f_num.append(end - computed[i])
