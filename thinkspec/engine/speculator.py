@@ -38,7 +38,7 @@ from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength, group_of
-from thinkspec.spec_decode.draft_model import CATCH_UP_WIDTH, DraftModelProposer
+from thinkspec.spec_decode.draft_model import DraftModelProposer, draft_behind
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
 from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput, Proposer
@@ -205,8 +205,8 @@ class Speculator:
         self.draft_runner = draft_runner
         # adaptive_k: chooses each step's draft lengths; None drafts k every step.
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
-        # (start, builds then, row_ks, context tokens) of the last step, a timing sample
-        self._last_step: tuple[float, int, np.ndarray, int] | None = None
+        # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
+        self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
         # Triton compilations so far (None: none counted); Triton is a GPU-only import
         self._compile_count = compile_count if self.device.type == "cuda" else lambda: None
@@ -418,9 +418,8 @@ class Speculator:
             thinking.append(t)
             groups.append(g)
             counts[g] += 1
-            n = seq.num_tokens
-            context += n
-            lag = draft and n - min(seq.num_draft_computed_tokens, seq.num_computed_tokens) > CATCH_UP_WIDTH
+            context += seq.num_tokens
+            lag = draft and draft_behind(seq)
             late.append(lag)
             behind[g] = behind[g] or lag
         group_ks = self.draft_length.choose(counts, context, behind).tolist()

@@ -276,24 +276,25 @@ class AdaptiveDraftLength:
     def observe_time(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
         """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain) over
         context tokens in all."""
-        if len(row_ks):
-            kmax = int(row_ks.max())
-            modelled = self.modelled_ms(row_ks, kmax, context)
-            self.costs.observe(len(row_ks), kmax, wall_ms, modelled)
-            if self.steps is not None:
-                self.steps.append((len(row_ks), kmax, wall_ms, modelled, False))
+        self._observe_step(row_ks, wall_ms, context, switch=False)
 
     def observe_switch(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
         """Learn the switch cost from the wall time of a step that left plain decoding (its draft
         caught up first; decode rows drafted row_ks [R]): what it took beyond the model and the
         learned overhead of a steady step like it."""
-        if len(row_ks):
-            kmax = int(row_ks.max())
-            modelled = self.modelled_ms(row_ks, kmax, context)
-            steady = modelled + float(self.costs.overhead_ms(len(row_ks))[kmax])
-            self.costs.observe_switch(wall_ms - steady)
-            if self.steps is not None:
-                self.steps.append((len(row_ks), kmax, wall_ms, modelled, True))
+        self._observe_step(row_ks, wall_ms, context, switch=True)
+
+    def _observe_step(self, row_ks: np.ndarray, wall_ms: float, context: int, switch: bool) -> None:
+        if not len(row_ks):
+            return
+        kmax = int(row_ks.max())
+        modelled = self.modelled_ms(row_ks, kmax, context)
+        if switch:
+            self.costs.observe_switch(wall_ms - modelled - float(self.costs.overhead_ms(len(row_ks))[kmax]))
+        else:
+            self.costs.observe(len(row_ks), kmax, wall_ms, modelled)
+        if self.steps is not None:
+            self.steps.append((len(row_ks), kmax, wall_ms, modelled, switch))
 
 
 class ForcedDraftLength:

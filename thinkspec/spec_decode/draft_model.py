@@ -38,6 +38,12 @@ _DRAFT_NOISE_POSITION = 1 << 40
 CATCH_UP_WIDTH = 2
 
 
+def draft_behind(seq: Sequence) -> bool:
+    """The draft's K/V of this decode sequence lags more than CATCH_UP_WIDTH tokens (plain steps ran):
+    drafting first catches it up in a forward no CUDA graph covers."""
+    return seq.num_tokens - min(seq.num_draft_computed_tokens, seq.num_computed_tokens) > CATCH_UP_WIDTH
+
+
 class DraftModelProposer:
     """Proposes with a small model run by its own ModelRunner (the only thing it calls)."""
 
@@ -105,8 +111,7 @@ class DraftModelProposer:
             end = seq.num_tokens if b is not None else seq.num_computed_tokens + n
             if end <= computed[i]:
                 continue
-            decode = b is None and n == 1 and end == seq.num_tokens
-            if decode and end - computed[i] > CATCH_UP_WIDTH:
+            if b is None and n == 1 and end == seq.num_tokens and draft_behind(seq):  # a decode row
                 continue
             f_seqs.append(seq)
             f_num.append(end - computed[i])

@@ -20,9 +20,10 @@ which grows with the window at large batch: the model learns it online, per buck
 window kmax (0 = the plain step), as an exponential moving average of (measured wall time -
 modelled device time) that its first measurement starts. An entry not measured yet borrows the
 nearest measured window of its bucket (the plain step only its own), else the nearest bucket's.
-The first drafting step after plain steps costs more again: the draft model catches up over every
-token since in one eager forward. That switch cost is learned apart (observe_switch), one figure
-for all buckets, from what such steps took beyond a steady step's model and overhead.
+The first drafting step after plain steps costs more again: the draft model catches its drafting
+rows up over every token since in one eager forward. That switch cost is learned apart
+(observe_switch), one figure for all buckets, from what such steps took beyond a steady step's
+model and overhead.
 
 Where the figures come from: on CUDA with graphs, `measure_bucket` times replays of the captured
 graphs (the target at every width 1..K+1, the draft at width 1) the first time a bucket is needed,
