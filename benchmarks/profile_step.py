@@ -52,6 +52,7 @@ from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, wr
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine import speculator as speculator_module
 from thinkspec.spec_decode.draft_length import GROUPS, ForcedDraftLength
+from thinkspec.spec_decode.draft_model import draft_lag
 
 
 def _wrap(obj: object, attr: str, name: str, sums: dict[str, float]) -> None:
@@ -146,7 +147,7 @@ def main() -> None:
         engine.add_request({"prompt_token_ids": ids}, params, str(i))
     if args.switch:  # cycles from choice 1 on: plain choices 1..L, the switch at L + 1
         start_cycles(engine, args.spec, cycle)
-    for _ in range(args.warmup * cycle):  # prefill, then decode steps: graphs for this batch are captured
+    for _ in range(args.warmup * cycle):  # (prefill,) decode steps: graphs for this batch are captured
         engine.step(finished_only=True)
 
     def sync() -> None:
@@ -169,7 +170,7 @@ def main() -> None:
     for i in range(args.steps * cycle):  # back to back, as generate() steps (no sync between steps)
         sums.clear()
         if args.switch and (i + 1) % cycle == 0:
-            behind.append(sum(s.num_tokens - s.num_draft_computed_tokens for s in engine.scheduler.running))
+            behind.append(sum(draft_lag(s) for s in engine.scheduler.running))
         t0 = time.perf_counter()
         engine.step(finished_only=True)
         wall = (time.perf_counter() - t0) * 1e3

@@ -38,10 +38,15 @@ _DRAFT_NOISE_POSITION = 1 << 40
 CATCH_UP_WIDTH = 2
 
 
+def draft_lag(seq: Sequence) -> int:
+    """Tokens of this sequence whose draft K/V is not written (where the draft resumes: see above)."""
+    return seq.num_tokens - min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+
+
 def draft_behind(seq: Sequence) -> bool:
     """The draft's K/V of this decode sequence lags more than CATCH_UP_WIDTH tokens (plain steps ran):
     drafting first catches it up in a forward no CUDA graph covers."""
-    return seq.num_tokens - min(seq.num_draft_computed_tokens, seq.num_computed_tokens) > CATCH_UP_WIDTH
+    return draft_lag(seq) > CATCH_UP_WIDTH
 
 
 class DraftModelProposer:
