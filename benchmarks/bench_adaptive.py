@@ -96,12 +96,15 @@ def constant_rate_shares(al: float, k: int) -> list[float]:
     return [round(lo ** (i + 1), 6) for i in range(k)]
 
 
-def synthetic_profile(name: str, k: int, output_len: int) -> dict:
+def synthetic_profile(name: str, k: int, output_len: int, seed: int | None = None) -> dict:
+    """The profile's SpeculativeConfig.synthetic_acceptance_profile; seed: its draws' (None: the
+    engine's generator)."""
     thinking_al, answer_al, share = PROFILES[name]
     return {
         "thinking": constant_rate_shares(thinking_al, k),
         "answer": constant_rate_shares(answer_al, k),
         "thinking_tokens": round(share * output_len),
+        "seed": seed,
     }
 
 
@@ -200,22 +203,26 @@ def build_engines(args, tmp: Path, max_batch: int) -> dict[str, LLM]:
     return engines
 
 
-def prepare(cell, engines: dict[str, LLM], choosers: dict[str, AdaptiveDraftLength], args) -> LLM:
-    """The cell's engine, set up for it."""
+def prepare(
+    cell, engines: dict[str, LLM], choosers: dict[str, AdaptiveDraftLength], args, seed: int | None
+) -> LLM:
+    """The cell's engine, set up for it; seed: the synthetic draws' (None: the engine's generator)."""
     _, prof, engine, k = cell
     llm = engines[engine]
     if engine == "spec":
         chooser = choosers[prof] if k is None else ForcedDraftLength.fixed(args.k_max, k)
-        use(llm, None if args.toy else synthetic_profile(prof, args.k_max, args.output_len), chooser)
+        use(llm, None if args.toy else synthetic_profile(prof, args.k_max, args.output_len, seed), chooser)
     return llm
 
 
-def sampler(args, engines, choosers, data) -> Callable[[tuple, int], tuple[LLM, Callable[[], Sample]]]:
-    """(cell, batch) -> (its engine, set up, and a function that runs the cell once at that batch);
-    data: the random prompts, or the toy problems with their prompt texts."""
+def sampler(args, engines, choosers, data) -> Callable[[tuple, int, int], tuple[LLM, Callable[[], Sample]]]:
+    """(cell, batch, draw) -> (its engine, set up, and a function that runs the cell once at that batch);
+    data: the random prompts, or the toy problems with their prompt texts; draw: which seeded synthetic
+    draws (--acceptance-seed + draw; the engine's generator when that seed is negative)."""
 
-    def sample(cell: tuple, b: int) -> tuple[LLM, Callable[[], Sample]]:
-        llm = prepare(cell, engines, choosers, args)
+    def sample(cell: tuple, b: int, draw: int) -> tuple[LLM, Callable[[], Sample]]:
+        seed = args.acceptance_seed + draw if args.acceptance_seed >= 0 else None
+        llm = prepare(cell, engines, choosers, args, seed)
         if args.toy:
             items, texts = data
             return llm, lambda: toy_run(llm, items[:b], texts[:b], args)
@@ -435,7 +442,7 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
         capture_graphs(llm, max(batches))
     for b in batches:
         for cell in cells:
-            sample(cell, b)[1]()
+            sample(cell, b, args.repeats)[1]()  # draws no timed repetition uses
     stats: dict = {"times": {(c[0], b): [] for c in cells for b in batches}, "hists": {}, "facts": {},
                    "traces": {}, "steps": {}}  # fmt: skip
     for r in range(args.repeats):
@@ -446,7 +453,7 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
                 chooser = choosers[cell[1]] if is_adaptive(cell) else None
                 if chooser is not None:
                     chooser.trace = []  # the choices of this run (the last repetition's are kept)
-                llm, run = sample(cell, b)
+                llm, run = sample(cell, b, r)  # every cell of a repetition meets the same hard tokens
                 policy = llm.llm_engine.speculator.draft_length if cell[2] == "spec" else None
                 if policy is not None:
                     policy.steps = []  # this run's timed steps (the last repetition's are kept)
@@ -492,6 +499,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--acceptance-seed", type=int, default=0,
+        help="repetition r draws synthetic acceptance with seed S + r, the same for every cell (common "
+        "random numbers: the cells compared meet the same hard tokens); negative: the engine's generator",
+    )  # fmt: skip
+    p.add_argument(
         "--kv-cache-memory", type=int, default=None,
         help="bytes per engine (default: 16 GiB on CUDA, the engine's default on CPU)",
     )  # fmt: skip
@@ -523,6 +535,7 @@ def describe(args, engines: dict[str, LLM], device: torch.device) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(engines["plain"].llm_engine.model_info.dtype).removeprefix("torch."),
         "k_max": args.k_max, "repeats": args.repeats, "rows": [], "summary": [],
+        "acceptance_seed": None if args.toy or args.acceptance_seed < 0 else args.acceptance_seed,
     }  # fmt: skip
     if args.toy:
         ratio, top_k = args.relax

@@ -577,6 +577,74 @@ def test_synthetic_acceptance_profile_per_phase(target, draft):
     with pytest.raises(ValueError, match="non-increasing"):
         bad = {**profile, "answer": [0, 1, 0, 0]}
         LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+    for seed in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"profile\['seed'\] must be a non-negative integer"):
+            bad = {**profile, "seed": seed}
+            LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+    with pytest.raises(ValueError, match="seed optional"):
+        bad = {**profile, "x": 1}
+        LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+
+
+def test_seeded_synthetic_draws_depend_on_request_and_output_position_only():
+    from thinkspec.engine.speculator import synthetic_uniforms
+
+    keys = np.array([3, 3, 99], dtype=np.uint64)
+    u = synthetic_uniforms(keys, np.array([5, 5, 5], dtype=np.uint64), 4, seed=7)  # [3, 4]
+    shifted = synthetic_uniforms(keys, np.array([6, 6, 6], dtype=np.uint64), 3, seed=7)
+    assert u.shape == (3, 4) and np.array_equal(u[:, 1:], shifted)  # a draw is its output position's
+    assert np.array_equal(u[0], u[1]) and not np.array_equal(u[0], u[2])  # and its request's
+    assert not np.array_equal(u, synthetic_uniforms(keys, np.full(3, 5, dtype=np.uint64), 4, seed=8))
+    many = synthetic_uniforms(np.arange(200, dtype=np.uint64), np.zeros(200, dtype=np.uint64), 50, seed=1)
+    assert many.min() >= 0 and many.max() < 1
+    counts = np.histogram(many, bins=10, range=(0, 1))[0]  # 10,000 draws, 1,000 expected per bin
+    assert abs(many.mean() - 0.5) < 0.01 and counts.min() > 880 and counts.max() < 1120
+
+
+def _seeded_verdicts(target, draft, k: int, rate: float, seed: int, monkeypatch) -> tuple[dict, float]:
+    """Run 4 prompts with a seeded constant-rate profile drafting k: ({(prompt, output position):
+    accepted} for every draft the runs tried, share of first drafts accepted)."""
+    from thinkspec.engine import speculator as spec_mod
+
+    profile = {"thinking": [rate ** (i + 1) for i in range(k)], "answer": [0.0] * k, "thinking_tokens": 1000,
+               "seed": seed}  # fmt: skip
+    cfg = {"model": str(draft), "num_speculative_tokens": k, "synthetic_acceptance_profile": profile}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    verdicts: dict = {}
+    firsts = []
+    original = spec_mod.Speculator._synthetic
+
+    def spy(self, result, target_logits, drafts, num_drafts, thinking, seqs):
+        out = original(self, result, target_logits, drafts, num_drafts, thinking, seqs)
+        for s, n, a in zip(seqs, num_drafts.tolist(), out.num_accepted.tolist()):
+            prompt = tuple(s.prompt_token_ids)
+            for j in range(min(a + 1, n)):  # tried: every accepted draft and the first rejected
+                verdicts[(prompt, s.num_output_tokens + j)] = j < a
+            if n > 0:
+                firsts.append(a > 0)
+        return out
+
+    monkeypatch.setattr(spec_mod.Speculator, "_synthetic", spy)
+    prompts = [[72, 105, 33], [5, 6, 7, 8], [40, 41], [9, 90, 19, 91, 29]]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    return verdicts, float(np.mean(firsts))
+
+
+def test_seeded_synthetic_acceptance_is_common_to_every_draft_length(target, draft, monkeypatch):
+    """With a seed, a token of a request is accepted or not whatever window drafts it (common random
+    numbers for the settings a benchmark compares), and the per-position rate stays the profile's."""
+    v2, first2 = _seeded_verdicts(target, draft, 2, 0.6, seed=11, monkeypatch=monkeypatch)
+    v4, first4 = _seeded_verdicts(target, draft, 4, 0.6, seed=11, monkeypatch=monkeypatch)
+    common = v2.keys() & v4.keys()
+    assert len(common) > 50 and all(v2[p] == v4[p] for p in common)
+    for prompt in {p for p, _ in v4}:  # every request meets easy and hard tokens
+        assert {v for (q, _), v in v4.items() if q == prompt} == {True, False}
+    for first in (first2, first4):  # ~150 first drafts each: 0.6 within about 3 standard deviations
+        assert 0.47 < first < 0.73
+    v4b, _ = _seeded_verdicts(target, draft, 4, 0.6, seed=12, monkeypatch=monkeypatch)
+    common = v4.keys() & v4b.keys()
+    assert sum(v4[p] != v4b[p] for p in common) > 10  # another seed, other hard tokens
 
 
 def test_verify_windows_are_a_view_when_they_cover_the_logits_in_order():

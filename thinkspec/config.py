@@ -111,7 +111,10 @@ class SpeculativeConfig:
     - synthetic_acceptance_profile: BENCHMARK TOOL ONLY, as synthetic_acceptance_rate but per
       phase and draft position: {"thinking": [a_0 .. a_{k-1}], "answer": [...], "thinking_tokens": N},
       a_i the share of rounds whose draft i is accepted (non-increasing in i, in [0, 1]); a request
-      is thinking for its first N output tokens. Excludes synthetic_acceptance_rate.
+      is thinking for its first N output tokens; an optional "seed" (int >= 0) draws each
+      acceptance from a hash of (seed, prompt, output position) rather than the engine's generator, so
+      settings compared on the same prompts meet the same hard tokens. Excludes
+      synthetic_acceptance_rate.
     """
 
     method: str | None = None
@@ -221,10 +224,13 @@ class SpeculativeConfig:
         profile = self.synthetic_acceptance_profile
         if self.method is None or self.synthetic_acceptance_rate is not None:
             raise ValueError(f"{name} needs a speculative method and excludes synthetic_acceptance_rate")
-        if not isinstance(profile, dict) or set(profile) != {"thinking", "answer", "thinking_tokens"}:
-            raise ValueError(
-                f"{name} must be a dict with keys thinking, answer, thinking_tokens, got {profile!r}"
-            )
+        keys = {"thinking", "answer", "thinking_tokens"}
+        if not isinstance(profile, dict) or not keys <= set(profile) <= keys | {"seed"}:
+            allowed = "thinking, answer, thinking_tokens (seed optional)"
+            raise ValueError(f"{name} must be a dict with keys {allowed}, got {profile!r}")
+        seed = profile.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ValueError(f"{name}['seed'] must be a non-negative integer or None, got {seed!r}")
         k = self.num_speculative_tokens
         for phase in ("thinking", "answer"):
             rates = profile[phase]

@@ -144,6 +144,27 @@ class _Plan:
     switch: bool  # it drafts while the draft model is behind: its time is the switch cost's sample
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def synthetic_uniforms(keys: np.ndarray, positions: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """[S, k] float64 uniforms in [0, 1), entry [s, j] a hash of (seed, keys[s], positions[s] + j)
+    alone; keys [S] uint64 (one per request), positions [S] uint64 (output index of draft 0)."""
+    base = _splitmix64(keys ^ np.uint64(seed & _MASK64))  # [S]
+    with np.errstate(over="ignore"):
+        at = base[:, None] + positions[:, None] + np.arange(k, dtype=np.uint64)[None, :]  # [S, k]
+    return (_splitmix64(at) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def _windows_of(logits: torch.Tensor, windows: np.ndarray) -> torch.Tensor:
     """logits [N, V], windows [S, k+1] row indexes -> [S, k+1, V]: a view when the windows are rows
     0..S(k+1)-1 in order (every row speculating with the full window: no 194 MB gather at 64 x 5
@@ -213,6 +234,7 @@ class Speculator:
         if config.adaptive_k:
             self.draft_length = AdaptiveDraftLength(self.k, self._cost_model())
         self._synthetic_table: torch.Tensor | None = None  # [2, k] conditional rates, answer / thinking
+        self._synthetic_keys: dict[tuple[str, int], int] = {}  # (request id, index) -> hash of its prompt
         self.metrics = SpecDecodeMetrics()
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator(device=self.device)
@@ -557,7 +579,7 @@ class Speculator:
             dev[:, 4].float(), proposal.draft_probs, self.generator, seeds=seeds, all_greedy=all_greedy,
         )  # fmt: skip
         if self.config.synthetic_acceptance_rate is not None or profile is not None:
-            result = self._synthetic(result, target, drafts, num_drafts, dev[:, 9].bool())
+            result = self._synthetic(result, target, drafts, num_drafts, dev[:, 9].bool(), seqs)
         lp = extras.logprobs(raw, result.output_token_ids) if extras is not None else None
         return result, thinking_before, extras, lp
 
@@ -632,6 +654,17 @@ class Speculator:
             self._synthetic_table = torch.tensor(rows, dtype=torch.float32, device=thinking.device)  # [2, k]
         return self._synthetic_table[thinking.long()]
 
+    def _synthetic_key(self, seq: Sequence) -> int:
+        """A request's key for the seeded synthetic draws: its prompt's hash (Python hashes tuples of
+        ints the same in every process), so that the same prompts give the same keys in every run."""
+        name = (seq.request_id, seq.index)
+        key = self._synthetic_keys.get(name)
+        if key is None:
+            if len(self._synthetic_keys) > 1 << 16:
+                self._synthetic_keys.clear()
+            key = self._synthetic_keys[name] = hash((tuple(seq.prompt_token_ids), seq.index)) & _MASK64
+        return key
+
     def _synthetic(
         self,
         result: RejectionResult,
@@ -639,11 +672,22 @@ class Speculator:
         drafts: torch.Tensor,  # [S, k]
         num_drafts: torch.Tensor,  # [S]
         thinking: torch.Tensor,  # [S] bool, the profile's phase of each row
+        seqs: list[Sequence],
     ) -> RejectionResult:
         """Benchmark mode: draft i is accepted with a set probability regardless of the models: the
-        synthetic rate, or the profile's share of its phase and position given the run reached i."""
+        synthetic rate, or the profile's share of its phase and position given the run reached i. A
+        profile with a "seed" draws from a hash of (seed, request, output position) instead of the
+        engine's generator: the same token of the same request meets the same draw whatever k or step
+        drafts it, so settings compared over the same prompts see the same hard tokens."""
         num_spec, k = drafts.shape
-        u = torch.rand(num_spec, k, generator=self.generator, device=drafts.device)
+        profile = self.config.synthetic_acceptance_profile
+        if profile is not None and profile.get("seed") is not None:
+            keys = np.array([self._synthetic_key(s) for s in seqs], dtype=np.uint64)
+            positions = np.array([s.num_output_tokens for s in seqs], dtype=np.uint64)
+            draws = synthetic_uniforms(keys, positions, k, int(profile["seed"]))
+            u = torch.from_numpy(draws).to(drafts.device, torch.float32, non_blocking=True)
+        else:
+            u = torch.rand(num_spec, k, generator=self.generator, device=drafts.device)
         pos = torch.arange(k, device=drafts.device)
         rates = self._synthetic_rates(thinking)
         rates = rates[:, :k] if isinstance(rates, torch.Tensor) else rates  # the step's window may be < K
