@@ -685,7 +685,7 @@ class Speculator:
             keys = np.array([self._synthetic_key(s) for s in seqs], dtype=np.uint64)
             positions = np.array([s.num_output_tokens for s in seqs], dtype=np.uint64)
             draws = synthetic_uniforms(keys, positions, k, int(profile["seed"]))
-            u = torch.from_numpy(draws).to(drafts.device, torch.float32, non_blocking=True)
+            u = torch.from_numpy(draws).to(drafts.device, non_blocking=True)  # float64: below 1, as drawn
         else:
             u = torch.rand(num_spec, k, generator=self.generator, device=drafts.device)
         pos = torch.arange(k, device=drafts.device)
