@@ -46,8 +46,9 @@ from thinkspec.spec_decode.step_costs import StepCostModel, StepCosts
 
 def step_table(result: dict, k_max: int) -> tuple[np.ndarray, np.ndarray]:
     """(batch sizes [M], ms [M, K+1]) from a bench_adaptive JSON: the median timed step of each
-    fixed-k cell at its batch size, k = 0 the plain engine's ms per step. Raises ValueError when a
-    cell is missing."""
+    fixed-k cell at its batch size, k = 0 the plain engine's ms per step. A k above the largest
+    measured one is extrapolated linearly from the last two (the grids at large batch stop at 3 or 4).
+    Raises ValueError when a plain cell, or a k below the largest measured one, is missing."""
     rows = {(r["cell"], r["batch"]): r for r in result["rows"]}
     batches = sorted({r["batch"] for r in result["rows"]})
     ms = np.zeros((len(batches), k_max + 1))
@@ -56,11 +57,15 @@ def step_table(result: dict, k_max: int) -> tuple[np.ndarray, np.ndarray]:
         if plain is None:
             raise ValueError(f"no plain cell at batch {b}")
         ms[i, 0] = 1e3 * b / plain["tok_per_s"]
-        for k in range(1, k_max + 1):
-            cell = rows.get((f"good k={k}", b))
-            if cell is None or str(k) not in cell.get("step_times", {}):
-                raise ValueError(f"no timed steps of good k={k} at batch {b}")
-            ms[i, k] = cell["step_times"][str(k)]["median"]
+        measured = [
+            k for k in range(1, k_max + 1) if str(k) in rows.get((f"good k={k}", b), {}).get("step_times", {})
+        ]
+        if not measured or measured != list(range(1, measured[-1] + 1)):
+            raise ValueError(f"timed steps of good k=1..K at batch {b} needed, got k in {measured}")
+        for k in measured:
+            ms[i, k] = rows[(f"good k={k}", b)]["step_times"][str(k)]["median"]
+        top = measured[-1]
+        ms[i, top + 1 :] = ms[i, top] + (ms[i, top] - ms[i, top - 1]) * np.arange(1, k_max - top + 1)
     return np.array(batches), ms
 
 

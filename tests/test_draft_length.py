@@ -241,6 +241,80 @@ def test_a_choice_is_reused_for_its_refresh_period(monkeypatch, rate, period):
     assert len(searches) == 6
 
 
+def test_refresh_searches_ahead_of_the_choice_that_would_find_the_cache_old(monkeypatch):
+    """refresh (called while the device runs a step) redoes the search only when the next choice would
+    find the cached one too old, with the last choice's counts and context: that choice then searches
+    nothing and picks what a search at choose time would have."""
+    chooser = AdaptiveDraftLength(K, _costs())
+    chooser.estimates.rates[:] = 0.9
+    searches = []
+    evaluate = chooser.evaluate
+    monkeypatch.setattr(chooser, "evaluate", lambda *args: (searches.append(args[1]), evaluate(*args))[1])
+    counts = np.array([0, 16, 0])
+    first = chooser.choose(counts, context=3000)
+    for _ in range(REFRESH - 1):
+        chooser.refresh()  # young: nothing to redo
+        chooser.choose(counts, context=3000)
+    assert searches == [3000]
+    chooser.refresh()  # the next choice is the REFRESH-th since the search: redo it now
+    assert searches == [3000, 3000]
+    assert np.array_equal(chooser.choose(counts, context=3100), first)
+    assert len(searches) == 2
+    chooser.refresh()
+    assert len(searches) == 2
+
+
+def test_the_chooser_learns_while_the_device_runs_the_next_step(monkeypatch):
+    """A speculative step queues what it accepted; the next drafting step's chooser work (learning the
+    queued windows and step times, and any search refresh) runs after its forwards are launched and
+    before it waits for their tokens, not between the steps (a plain step learns when planned: its
+    host work overlaps the step in flight under async scheduling); nothing queued is lost by the end
+    of the run, and the output is plain greedy's."""
+    import thinkspec.engine.speculator as speculator_module
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    spec = llm.llm_engine.speculator
+    policy = ForcedDraftLength.fixed(K, 2)
+    events = []
+    policy.observe = lambda groups, nd, accepted: events.append("accept")
+    policy.observe_time = lambda ks, ms, context=0: events.append("time")
+    spec.draft_length = policy
+
+    def logging(name, fn):
+        return lambda *a, **kw: (events.append(name), fn(*a, **kw))[1]
+
+    monkeypatch.setattr(spec.proposer, "propose", logging("propose", spec.proposer.propose))
+    monkeypatch.setattr(
+        spec.target_runner, "execute_model", logging("verify", spec.target_runner.execute_model)
+    )
+    monkeypatch.setattr(
+        speculator_module.HostPack, "fetch", logging("fetch", speculator_module.HostPack.fetch)
+    )
+    prompts = [[72, 105, 33], [65, 66]]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    plain = LLM(target, device="cpu").generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    steps = events.count("fetch")
+    assert steps > 5 and events.count("accept") == steps  # every step's windows learnt, the last at the end
+    assert events.count("time") >= steps - 3  # every decode step but the last is timed
+    segment: list[str] = []  # one step's events, up to its fetch
+    drafting_steps = 0
+    for e in events:
+        segment.append(e)
+        if e != "fetch":
+            continue
+        if "propose" in segment:  # a drafting step: its chooser work after the launches, before the fetch
+            learnt = [i for i, x in enumerate(segment) if x in ("accept", "time")]
+            assert all(i > segment.index("verify") for i in learnt), segment
+            drafting_steps += bool(learnt)
+        segment = []
+    assert drafting_steps >= steps - 4
+    assert set(segment) <= {"accept", "time"}  # after the last step: the rest, learnt at the end
+
+
 def test_histogram_counts_and_merges():
     m = SpecDecodeMetrics()
     m.observe_draft_lengths(np.array([0, 3, 3, 1]), np.array([True, True, False, False]))

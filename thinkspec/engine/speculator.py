@@ -229,6 +229,10 @@ class Speculator:
         # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
         self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
+        # adaptive_k: what the chooser has still to learn, oldest first: ("time", row_ks, wall ms,
+        # context, switch) of a timed step, ("accept", groups, num_drafts, num_accepted) of a step's
+        # windows. Learnt while the device runs the next speculative step (see learn).
+        self._to_learn: list[tuple] = []
         # Triton compilations so far (None: none counted); Triton is a GPU-only import
         self._compile_count = compile_count if self.device.type == "cuda" else lambda: None
         if config.adaptive_k:
@@ -290,6 +294,8 @@ class Speculator:
         decodes = _decode_rows(seqs, num_new, sample_mask)
         decodes_only = len(decodes) == len(seqs)
         choice, thinking, context, switch = self._choose(seqs, decodes)
+        if decodes_only and not choice[0]:
+            self.learn()  # a plain step: its host time is mostly hidden (async), the chooser learns now
         # A step whose draft first catches up over many tokens (after plain steps) samples the switch
         # cost, not the steady step's.
         timed = (now, builds) if decodes_only else None
@@ -319,18 +325,37 @@ class Speculator:
         return plan.choice
 
     def forget_last_step(self) -> None:
-        """The engine ran out of work: the time until its next step is no step's."""
+        """The engine ran out of work: the time until its next step is no step's; what the chooser has
+        still to learn it learns now."""
         self._last_step = None
+        self.learn()
+
+    def learn(self) -> None:
+        """adaptive_k: the chooser learns what is queued (steps' times and windows), then redoes its
+        grid search if the next choice would find it too old. A speculative step calls this once its
+        forwards are launched, before it waits for their tokens: the chooser's host work then overlaps
+        the device's instead of lengthening the step (a step's own windows are learnt at the next)."""
+        chooser = self.draft_length
+        if chooser is None:
+            return
+        queued, self._to_learn = self._to_learn, []
+        for what, *args in queued:
+            if what == "accept":
+                chooser.observe(*args)
+            elif args[3]:  # a switch out of plain decoding
+                chooser.observe_switch(*args[:3])
+            else:
+                chooser.observe_time(*args[:3])
+        chooser.refresh()
 
     def _time_last_step(self, now: float, builds: int) -> None:
         """adaptive_k learns what a step costs from the time between the starts of two steps: all
-        of it, the host work around the step and a step left in flight included. A step during which
-        something was built (graphs, cost measurements) is no sample."""
+        of it, the host work around the step and a step left in flight included (queued: see learn).
+        A step during which something was built (graphs, cost measurements) is no sample."""
         last, self._last_step = self._last_step, None
         if last is None or self.draft_length is None or last[1] != builds:
             return
-        observe = self.draft_length.observe_switch if last[4] else self.draft_length.observe_time
-        observe(last[2], 1e3 * (now - last[0]), last[3])
+        self._to_learn.append(("time", last[2], 1e3 * (now - last[0]), last[3], last[4]))
 
     def _num_builds(self) -> int:
         """Graphs captured, cost buckets measured and Triton kernels compiled so far; a step that
@@ -401,12 +426,13 @@ class Speculator:
             spec_seqs = [seqs[i] for i in spec_index]
             result, thinking_before, spec_extras, spec_lp = self._verify(spec_seqs, target, proposal)
         packed = [t.pack() for t in (plain_lp, spec_lp, prompt_lp) if t is not None]
+        if choice is not None:
+            self.learn()  # while the device runs this step's forwards
         host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed)
         if choice is not None:
-            assert self.draft_length is not None
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
-            self.draft_length.observe(groups, nd, host.num_accepted)
+            self._to_learn.append(("accept", groups, nd, host.num_accepted))
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
             groups = [

@@ -120,6 +120,7 @@ class AdaptiveDraftLength:
         # (counts [G], which groups were behind [G], best ks of the groups present, whether any
         # drafts, choice number)
         self._cache: tuple[list[int], list[bool], np.ndarray, bool, int] | None = None
+        self._context = 0  # the last choice's context (refresh redoes its search)
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
         # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
@@ -143,21 +144,12 @@ class AdaptiveDraftLength:
         if not present:
             return np.zeros(len(GROUPS), dtype=np.int64)
         self.num_choices += 1
-        cached = self._cache
+        self._context = context
         best = self._cached_best(key, behind)
         if best is None:
-            self.costs.ensure(sum(key))
-            grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind)
-            rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
-            pick = int(np.argmax(rates))
-            if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
-                pick = 0
-            best = grid[:, pick]
-            cached = self._cache = (key, behind, best, bool(best.any()), self.num_choices)
-            if self.trace is not None:
-                self._record(key, present, best, rates, pick, cost[pick], context, behind)
-        assert cached is not None
-        drafts = cached[3]
+            best = self._search(key, context, behind)
+        assert self._cache is not None
+        drafts = self._cache[3]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
         probe = self.num_choices % period == 0
         ks = np.zeros(len(GROUPS), dtype=np.int64)
@@ -169,6 +161,31 @@ class AdaptiveDraftLength:
             if not drafts:
                 self.probe_rows = PLAIN_PROBE_ROWS
         return ks
+
+    def refresh(self) -> None:
+        """Redo the last choice's grid search now (its counts, context and behind flags) when the next
+        choose would find it too old: the engine calls this while the device runs a step, which takes
+        the search (~0.1-0.2 ms of host time) off the steps' critical path."""
+        if self._cache is None:
+            return
+        key, behind, _, drafts, made = self._cache
+        if self.num_choices + 1 - made >= (REFRESH if drafts else REFRESH_PLAIN):
+            self._search(key, self._context, behind)
+
+    def _search(self, key: list[int], context: int, behind: list[bool]) -> np.ndarray:
+        """The best ks [P] of the groups present for counts key [G] (cached as made at this choice)."""
+        self.costs.ensure(sum(key))
+        grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind)
+        rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
+        pick = int(np.argmax(rates))
+        if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
+            pick = 0
+        best = grid[:, pick]
+        self._cache = (key, behind, best, bool(best.any()), self.num_choices)
+        if self.trace is not None:
+            present = [g for g, c in enumerate(key) if c]
+            self._record(key, present, best, rates, pick, cost[pick], context, behind)
+        return best
 
     def _record(
         self,
@@ -320,6 +337,9 @@ class ForcedDraftLength:
         return ks
 
     def observe(self, *args: object) -> None:
+        pass
+
+    def refresh(self) -> None:
         pass
 
     def observe_time(
