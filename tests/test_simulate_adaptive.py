@@ -37,8 +37,11 @@ def test_step_table_and_missing_cells():
     batches, ms = sim.step_table(result, K)
     assert batches.tolist() == [1, 4] and ms[:, 0].tolist() == pytest.approx([5.0, 5.0])
     assert ms[0, 1:].tolist() == [5.5, 6.0, 6.5]
+    # a grid that stops at k = 2: k = 3 extrapolated from the last two
+    top2 = {**result, "rows": [r for r in result["rows"] if r["cell"] != "good k=3"]}
+    assert sim.step_table(top2, K)[1][0, 1:].tolist() == pytest.approx([5.5, 6.0, 6.5])
     result["rows"] = [r for r in result["rows"] if r["cell"] != "good k=2"]
-    with pytest.raises(ValueError, match="good k=2 at batch 1"):
+    with pytest.raises(ValueError, match=r"good k=1..K at batch 1 needed, got k in \[1, 3\]"):
         sim.step_table(result, K)
 
 

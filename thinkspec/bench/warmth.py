@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from thinkspec.engine.compiles import compile_count
+from thinkspec.engine.compiles import compile_count, recent_compiles
 
 # The modules whose Triton kernels the engine launches.
 KERNEL_MODULES = (
@@ -83,9 +83,11 @@ def check_no_builds(before: dict[str, int], after: dict[str, int], what: str) ->
     """RuntimeError when `what` (a timed run) captured or compiled anything."""
     grew = {k: after[k] - before[k] for k in before if after[k] != before[k]}
     if grew:
+        built = recent_compiles(grew.get("kernels", 0))
         raise RuntimeError(
             f"{what} built during its timed run ({', '.join(f'{n} new {k}' for k, n in grew.items())}): "
             "the warm-up did not cover its shapes, so its time includes the build"
+            + "".join(f"; built {b}" for b in built)
         )
 
 

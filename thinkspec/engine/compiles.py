@@ -9,12 +9,16 @@ from typing import Any
 _compiles = 0  # Triton compilations seen by the hook below since it was installed
 _hook_installed = False
 _no_hook = False  # an earlier call found no hook to install: do not import again
+_recent: list[str] = []  # what the last compilations built (kernel and specialization), newest last
+RECENT = 8
 
 
 def _count_compile(previous: Any) -> Any:
     def hook(*args: Any, **kwargs: Any) -> Any:
         global _compiles
         _compiles += 1
+        _recent.append(" ".join(str(kwargs.get("repr", "?")).split())[:600])  # on one line
+        del _recent[:-RECENT]
         return previous(*args, **kwargs) if previous is not None else None
 
     return hook
@@ -44,3 +48,9 @@ def compile_count() -> int | None:
     """Triton compilations since the hook was installed (installing it on first call); None when
     this Triton has no post-compile hook."""
     return _compiles if install_compile_hook() else None
+
+
+def recent_compiles(n: int) -> list[str]:
+    """What the last n (at most RECENT) compilations built: kernel, launch options and the argument
+    specialization, as Triton describes them (to find the shape a warm-up missed)."""
+    return _recent[-n:] if n > 0 else []
