@@ -130,10 +130,13 @@ def test_compile_hook_counts_and_chains(monkeypatch):
     knobs.runtime.jit_post_compile_hook(key="x", repr="k")  # what Triton calls after each compile
     assert warmth.compiled_kernels() == before + 1
     assert seen == [{"key": "x", "repr": "k"}]  # the hook that was there still runs
-    knobs.runtime.jit_post_compile_hook(key="y", repr="_attn[num_warps=4](\n  n: i32 )")
-    assert compiles.recent_compiles(2) == ["k", "_attn[num_warps=4]( n: i32 )"]  # one line each
-    with pytest.raises(RuntimeError, match=r"1 new kernels.*; built _attn\[num_warps=4\]\( n: i32 \)$"):
+    key = ((("*bf16", "D"), ("i32", "D"), ("i32", "")), (64,))  # a key's shape: types, specialisations
+    knobs.runtime.jit_post_compile_hook(key=key, repr="_attn[num_warps=4](q_ptr: (),\n n: i32)")
+    want = "_attn[num_warps=4] ((('*bf16', 'D'), ('i32', 'D'), ('i32', '')), (64,))"
+    assert compiles.recent_compiles(2) == ["k x", want]  # one line each
+    with pytest.raises(RuntimeError, match="1 new kernels") as error:
         warmth.check_no_builds({"graphs": 0, "kernels": 0}, {"graphs": 0, "kernels": 1}, "cell")
+    assert str(error.value).endswith(f"; built {want}")  # what was built, named
 
 
 @pytest.mark.gpu

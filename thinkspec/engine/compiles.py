@@ -17,11 +17,20 @@ def _count_compile(previous: Any) -> Any:
     def hook(*args: Any, **kwargs: Any) -> Any:
         global _compiles
         _compiles += 1
-        _recent.append(" ".join(str(kwargs.get("repr", "?")).split())[:600])  # on one line
+        _recent.append(_describe(kwargs))
         del _recent[:-RECENT]
         return previous(*args, **kwargs) if previous is not None else None
 
     return hook
+
+
+def _describe(hook_kwargs: dict[str, Any]) -> str:
+    """One line: the kernel and its launch options (Triton's description up to the arguments, which
+    some Triton versions leave out) and the compile key: each argument's type and what Triton
+    specialised it on (an integer 1, divisible by 16, an aligned pointer), and the constexprs."""
+    text = str(hook_kwargs.get("repr", "?"))
+    head = text.split("](", 1)[0] + "]" if "](" in text else text.split("(", 1)[0]
+    return " ".join(f"{head} {hook_kwargs.get('key', '')}".split())[:1200]
 
 
 def install_compile_hook() -> bool:
