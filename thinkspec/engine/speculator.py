@@ -229,10 +229,11 @@ class Speculator:
         # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
         self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
-        # adaptive_k: what the chooser has still to learn, oldest first: ("time", row_ks, wall ms,
-        # context, switch) of a timed step, ("accept", groups, num_drafts, num_accepted) of a step's
-        # windows. Learnt while the device runs the next speculative step (see learn).
-        self._to_learn: list[tuple] = []
+        # adaptive_k: what the chooser has still to learn, oldest first, as (its method, arguments):
+        # observe_time / observe_switch (row_ks, wall ms, context) of a timed step, observe (groups,
+        # num_drafts, num_accepted) of a step's windows. Learnt while the device runs the next
+        # speculative step (see learn).
+        self._to_learn: list[tuple[str, tuple]] = []
         # Triton compilations so far (None: none counted); Triton is a GPU-only import
         self._compile_count = compile_count if self.device.type == "cuda" else lambda: None
         if config.adaptive_k:
@@ -339,13 +340,8 @@ class Speculator:
         if chooser is None:
             return
         queued, self._to_learn = self._to_learn, []
-        for what, *args in queued:
-            if what == "accept":
-                chooser.observe(*args)
-            elif args[3]:  # a switch out of plain decoding
-                chooser.observe_switch(*args[:3])
-            else:
-                chooser.observe_time(*args[:3])
+        for method, args in queued:
+            getattr(chooser, method)(*args)
         chooser.refresh()
 
     def _time_last_step(self, now: float, builds: int) -> None:
@@ -355,7 +351,8 @@ class Speculator:
         last, self._last_step = self._last_step, None
         if last is None or self.draft_length is None or last[1] != builds:
             return
-        self._to_learn.append(("time", last[2], 1e3 * (now - last[0]), last[3], last[4]))
+        method = "observe_switch" if last[4] else "observe_time"
+        self._to_learn.append((method, (last[2], 1e3 * (now - last[0]), last[3])))
 
     def _num_builds(self) -> int:
         """Graphs captured, cost buckets measured and Triton kernels compiled so far; a step that
@@ -432,7 +429,7 @@ class Speculator:
         if choice is not None:
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
-            self._to_learn.append(("accept", groups, nd, host.num_accepted))
+            self._to_learn.append(("observe", (groups, nd, host.num_accepted)))
         outcomes = self._outcomes(sched, sample_mask, batch, proposal, host)
         if packed:
             groups = [
