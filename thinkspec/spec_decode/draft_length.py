@@ -183,14 +183,12 @@ class AdaptiveDraftLength:
         best = grid[:, pick]
         self._cache = (key, behind, best, bool(best.any()), self.num_choices)
         if self.trace is not None:
-            present = [g for g, c in enumerate(key) if c]
-            self._record(key, present, best, rates, pick, cost[pick], context, behind)
+            self._record(key, best, rates, pick, cost[pick], context, behind)
         return best
 
     def _record(
         self,
         counts: list[int],
-        present: list[int],
         best: np.ndarray,
         rates: np.ndarray,
         pick: int,
@@ -203,6 +201,7 @@ class AdaptiveDraftLength:
         the plain step; ms: the choice's modelled time; the groups whose draft was behind and the
         learned switch cost; the learned overheads by kmax, the acceptance estimates)."""
         assert self.trace is not None
+        present = [g for g, c in enumerate(counts) if c]
         self.trace.append({
             "choice": self.num_choices,
             "counts": counts,
