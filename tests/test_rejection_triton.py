@@ -465,3 +465,47 @@ def test_gpu_cuda_graph_capture():
         static[name].copy_(t)
     graph.replay()
     _assert_same(captured, rejection_sample(**fresh, seeds=seeds))
+
+
+@gpu
+def test_gpu_one_build_across_batch_sizes_and_draft_lengths():
+    # The stats pass's chunks per row (NC) follow the row count, and the draft length K the
+    # step's choice: a batch whose NC turns 1 (or a multiple of 16), or a K of 16 next to 17 (one
+    # K1_P2), must reuse the kernels built for the others, not build a variant in mid-run.
+    from thinkspec.engine.compiles import compile_count
+
+    v, dev = 151936, torch.device("cuda")
+    by_kind: dict[str, int] = {}  # kind of NC at k = 3 -> the first batch size giving it
+    for b in range(1, 1025):
+        nc = rt._stats_split(b * 4, v, dev)[1]
+        by_kind.setdefault("one" if nc == 1 else "x16" if nc % 16 == 0 else "other", b)
+    assert {"one", "other"} <= set(by_kind), by_kind
+
+    def launch(b: int, k: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(b * 100 + k)
+        logits = torch.randn(b, k + 1, v, device="cuda", generator=gen).to(torch.bfloat16)
+        drafts = logits[:, :k].argmax(-1)
+        drafts[::2, 1] = 0  # a rejection in every other request (unless 0 is the argmax)
+        kw = dict(
+            target_logits=logits,
+            draft_token_ids=drafts,
+            num_draft_tokens=torch.full((b,), k, device="cuda"),
+            relax_mask=torch.zeros(b, k, dtype=torch.bool, device="cuda"),
+            temperature=torch.where(torch.arange(b, device="cuda") % 3 == 0, 0.8, 0.0),
+            relax_ratio=torch.zeros(b, device="cuda"),
+            relax_top_k=torch.ones(b, dtype=torch.int64, device="cuda"),
+            relax_delta=torch.full((b,), NAN, device="cuda"),
+        )
+        res = rejection_sample(**kw, seeds=torch.arange(b, device="cuda"))
+        greedy = kw["temperature"] == 0
+        strict = (drafts == logits[:, :k].argmax(-1)).cumprod(-1).sum(-1)
+        assert torch.equal(res.num_accepted[greedy], strict[greedy])
+
+    launch(by_kind["other"], 3)
+    launch(5, 17)
+    before = compile_count()
+    assert before is not None
+    for b in sorted(set(by_kind.values()) - {by_kind["other"]}):
+        launch(b, 3)
+    launch(5, 16)
+    assert compile_count() == before, f"a launch built a new kernel variant (batches by NC kind: {by_kind})"

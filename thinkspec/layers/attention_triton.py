@@ -89,7 +89,10 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, vv.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Ints that change from one eager launch to the next (the block-table width follows the longest
+# sequence, the token count the batch) are not specialised: Triton would build a new variant each
+# time one turns 1 or a multiple of 16, mid-run. Captured graphs fix them anyway.
+@triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D], last dim contiguous
     stride_qt,
@@ -256,7 +259,7 @@ def _paged_attn_kernel(
                 tl.store(dst, o.to(final_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _combine_kernel(
     acc_ptr,  # [T, Hq, S, D] float32
     ml_ptr,  # [T, Hq, S, 2] float32 (max, sum) in log2 units

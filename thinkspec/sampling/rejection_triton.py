@@ -91,7 +91,10 @@ def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl
     return acc_m, acc_t, acc_c, acc_s
 
 
-@triton.jit(do_not_specialize=["seed_offset"])
+# K (the step's draft length) and NC (chunks per row, from the row count) vary between launches as
+# the draft length and the batch do; not specialising them keeps one build per launch shape class
+# instead of a new one whenever either turns 1 or a multiple of 16 mid-run.
+@triton.jit(do_not_specialize=["seed_offset", "K", "NC"])
 def _row_stats_kernel(
     logits_ptr,  # [B, K+1, V] float, last dim contiguous
     stride_lb,
@@ -304,7 +307,7 @@ def _accept_request(
     tl.store(emit_lse_ptr + b, lse_j)
 
 
-@triton.jit(do_not_specialize=["seed_offset"])
+@triton.jit(do_not_specialize=["seed_offset", "K", "NC"])
 def _accept_kernel(
     logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr, ratio_ptr, topk_ptr,
     delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, out_ptr, nacc_ptr,
@@ -319,7 +322,7 @@ def _accept_kernel(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["seed_offset"])
+@triton.jit(do_not_specialize=["seed_offset", "K", "NC"])
 def _race_kernel(
     logits_ptr,  # [B, K+1, V] float
     stride_lb,
@@ -375,7 +378,7 @@ def _race_kernel(
         tl.store(pidx_ptr + out, tl.min(tl.where(sp == bp, offs, _INT32_MAX), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "NC"])
 def _race_reduce_kernel(
     temp_ptr,  # [B] float32
     nacc_ptr,  # [B] int64
