@@ -244,7 +244,7 @@ def main() -> None:
     report = dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         device=torch.cuda.get_device_name(),
-        command=" ".join([sys.executable, *sys.argv]),
+        command=" ".join(["python3", *sys.argv]),  # no interpreter path in the results
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         copy_bandwidth_tb_s=bandwidth / 1e12, args=vars(args), stats_config=stats_config, cases=cases,
         targets=targets,
