@@ -438,7 +438,6 @@ def test_gpu_one_build_across_table_widths_and_token_counts(fused_combine):
 
     cases = ((3, 40, 5, 2), (1, 10, 1, 0), (16, 40, 16, 0), (4, 40, 17, 17), (2, 200, 32, 30))
     backend = TritonAttentionBackend(block_n=64, num_splits=2, fused_combine=fused_combine)
-    splits_seen = set()
 
     def launch(batch: int, ctx: int, width: int, pad: int) -> None:
         q, k, v, k_cache, v_cache, meta = _gpu_case(batch, [ctx] * batch, 1, seed=batch * 31 + width)
@@ -448,7 +447,6 @@ def test_gpu_one_build_across_table_widths_and_token_counts(fused_combine):
         if pad:  # rows past the last sequence: zero out, no KV written
             q, k, v = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (q, k, v))
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((pad,), -1)])
-        splits_seen.add(backend.choose_splits(batch * 8, meta.max_seq_len, q.device))
         ref = TorchAttentionBackend().forward(
             q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, 128**-0.5
         )
@@ -458,7 +456,6 @@ def test_gpu_one_build_across_table_widths_and_token_counts(fused_combine):
     launch(*cases[0])  # builds (or finds) the kernels
     before = compile_count()
     assert before is not None
-    for case in cases[1:]:  # widths 1 / 16 / 17 / 32 / 64, token counts 1 / 16 / 21 / 32
+    for case in cases[1:]:  # widths 1 / 16 / 17 / 32, token counts 1 / 16 / 21 / 32
         launch(*case)
     assert compile_count() == before, "a launch built a new kernel variant"
-    assert splits_seen == {2}, splits_seen

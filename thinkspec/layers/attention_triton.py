@@ -90,8 +90,9 @@ def _store_kv_kernel(
 
 
 # Ints that change from one eager launch to the next (the block-table width follows the longest
-# sequence, the token count the batch) are not specialised: Triton would build a new variant each
-# time one turns 1 or a multiple of 16, mid-run. Captured graphs fix them anyway.
+# sequence, the token count the batch; _combine_kernel's sequence count too) are not specialised:
+# Triton would build a new variant each time one turns 1 or a multiple of 16, mid-run. Captured
+# graphs fix them anyway.
 @triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D], last dim contiguous
