@@ -371,7 +371,8 @@ def timed_sample(llm: LLM, run: Callable[[], Sample], what: str) -> Sample:
     """run() that never counts a build: a run that captured or compiled (a draft length the warm-up
     did not reach at this batch, say) is reported, dropped and run again, now warm (up to
     ATTEMPTS runs: a draft's catch-up forward after plain steps runs eagerly, at token counts that
-    vary from run to run, and may meet a Triton specialisation of its own)."""
+    vary from run to run, and may meet an attention launch shape of its own: a split count or
+    query tile the warm-up did not reach)."""
     for attempt in range(ATTEMPTS):
         before = build_counts(llm)
         out = run()
