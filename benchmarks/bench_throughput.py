@@ -1,6 +1,7 @@
 """Decode throughput side by side: HF transformers (eager, static cache) and thinkspec, same weights.
 
-Qwen3-8B-shaped random bf16 weights (or --small shapes), prompts of --prompt-len random tokens,
+Qwen3-8B-shaped random bf16 weights (--shape 0.6b: the Qwen3-0.6B draft's shape, whose plain step
+is the draft's step; --small: tiny shapes), prompts of --prompt-len random tokens,
 --output-len generated tokens (EOS ignored), greedy, at each batch size. thinkspec runs plain
 (with async scheduling, its CUDA default, and as `thinkspec_sync` without) and, with a
 Qwen3-0.6B-shaped draft under synthetic acceptance, speculative decoding at the mean acceptance
@@ -25,7 +26,7 @@ import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.layers import pdl
+from thinkspec.layers import gemv_triton, pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear, MergedLinear
 
@@ -45,6 +46,12 @@ def rate_for_acceptance_length(length: float, k: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def gemv512_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
+    """gemv_config without its few-outputs rule: 512-wide K tiles everywhere (the 'gemv512' variant)."""
+    block_n, warps = (4, 2) if num_rows <= 2 else (2, 4)
+    return block_n // 2 if glu else block_n, min(512, 1 << max(k - 1, 0).bit_length()), warps, 1
 
 
 def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
@@ -138,6 +145,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--shape", choices=("8b", "0.6b"), default="8b", help="the plain engines' model shape")
     p.add_argument(
         "--repeats", type=int, default=1, help="timed runs per plain cell, round-robin over engines"
     )
@@ -147,7 +155,8 @@ def main() -> None:
         "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
         "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
         "dependent launch, thinkspec_nopdl), 'noglu' (gate_up product and SiLU * up as two launches, "
-        "thinkspec_noglu); comma-separated",
+        "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512); "
+        "comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -160,7 +169,7 @@ def main() -> None:
     steps = args.output_len - 1
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "shape": "small" if args.small else "Qwen3-8B (draft Qwen3-0.6B)",
+        "shape": "small" if args.small else f"Qwen3-{args.shape.upper()} (draft Qwen3-0.6B)",
         "dtype": dtype_name,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
@@ -179,7 +188,8 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
     with tempfile.TemporaryDirectory() as tmp:
-        tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
+        shape = QWEN3_0_6B if args.shape == "0.6b" else QWEN3_8B
+        tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else shape, vocab)
         ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
         gen = torch.Generator().manual_seed(0)
         all_prompts = torch.randint(0, vocab, (max(batches), args.prompt_len), generator=gen)
@@ -198,7 +208,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -209,6 +219,7 @@ def main() -> None:
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
         use_pdl = pdl.ENABLED  # process-wide and read at launch: set before each engine runs (and captures)
+        config = gemv_triton.gemv_config  # the same: the GEMV reads it at each launch
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
             other = LLM(tdir, **common)
@@ -233,6 +244,7 @@ def main() -> None:
             for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
                 for name, engine, overlap in plain:
                     pdl.ENABLED = use_pdl and name != "thinkspec_nopdl"
+                    gemv_triton.gemv_config = gemv512_config if name == "thinkspec_gemv512" else config
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
             for name, times in reps.items():
@@ -242,7 +254,7 @@ def main() -> None:
                 record(
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
-        pdl.ENABLED = use_pdl
+        pdl.ENABLED, gemv_triton.gemv_config = use_pdl, config
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)

@@ -99,3 +99,38 @@ def test_record_checks_determinism_of_fixed_policies(monkeypatch):
     sampled = type("Args", (), {"temperature": 0.6})()  # sampled outputs are not checked
     bench.record(stats, cells[1], 1, (13.0, None, {"digest": "c", "correct": 1}), sampled, "sampled")
     assert stats["times"][("toy k=2", 1)] == [10.0, 11.0, 12.0, 13.0]
+
+
+def test_summary_pairs_adaptive_with_the_best_cell_within_each_repetition(monkeypatch):
+    """The criterion's ratio is of medians; the paired one is the median of the ratios within each
+    repetition, against the cell that is best by median (plain where plain is faster)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = importlib.import_module("bench_adaptive")
+    args = type("Args", (), {"toy": False})()
+
+    def row(cell, b, reps):
+        return {"cell": cell, "batch": b, "tok_per_s": sorted(reps)[len(reps) // 2], "reps": reps}
+
+    rows = [
+        row("plain", 1, [100.0, 100.0, 100.0]),
+        row("good k=3", 1, [200.0, 180.0, 190.0]),  # median 190: the best fixed cell
+        row("good k=4", 1, [150.0, 185.0, 160.0]),
+        row("good adaptive", 1, [190.0, 171.0, 200.0]),  # median 190; per repetition .95, .95, 1.053
+        row("bad adaptive", 1, [99.0, 99.0, 99.0]),
+        row("plain", 64, [300.0, 330.0, 320.0]),  # plain is the anchor here
+        row("good k=3", 64, [250.0, 250.0, 250.0]),
+        row("good adaptive", 64, [297.0, 297.0, 330.0]),  # per repetition .99, .9, 1.031
+    ]
+    one, big = bench.summarise(rows, [1, 64], args)
+    assert (one["best_fixed"], one["good_adaptive_over_best"]) == ("good k=3", pytest.approx(1.0))
+    assert one["good_adaptive_over_best_paired"] == pytest.approx(0.95)
+    assert one["bad_adaptive_over_plain"] == pytest.approx(0.99)
+    assert big["good_adaptive_over_best"] == pytest.approx(297 / 320)
+    assert big["good_adaptive_over_best_paired"] == pytest.approx(0.99)
+    stats: dict = {"times": {("good k=3", 1): []}, "hists": {}, "facts": {}}
+    for ms in (5.0, 7.0):  # the runs' wall times are kept per repetition
+        facts = {"run_ms": 700.0 + ms, "first_token_run_ms": 30.0, "gc_pause_ms": ms}
+        bench.record(stats, ("good k=3", "good", "spec", 3), 1, (10.0, None, facts), args, "k=3")
+    kept = stats["facts"][("good k=3", 1)]
+    assert kept["run_ms_reps"] == [705.0, 707.0] and kept["gc_pause_ms_reps"] == [5.0, 7.0]
+    assert kept["first_token_run_ms_reps"] == [30.0, 30.0]

@@ -47,6 +47,17 @@ def test_gemv_config_fits_the_shape():
             assert block_n >= 1 and warps in (2, 4) and stages >= 1
 
 
+def test_gemv_config_gives_few_long_rows_wider_k_tiles():
+    # the 0.6B's o (1024 x 2048) and down (1024 x 3072) at 1-2 rows: 2 outputs, 1024-wide K tiles
+    for rows in (1, 2):
+        for k in (2048, 3072):
+            assert gemv_triton.gemv_config(rows, 1024, k) == (2, 1024, 4, 1)
+        assert gemv_triton.gemv_config(rows, 1024, 1024) == (4, 512, 2, 1)  # short rows: the default
+        assert gemv_triton.gemv_config(rows, 4096, 4096) == (4, 512, 2, 1)  # many outputs: the default
+        assert gemv_triton.gemv_config(rows, 1024, 3072, glu=True) == (2, 512, 2, 1)
+    assert gemv_triton.gemv_config(4, 1024, 3072) == (2, 512, 4, 1)
+
+
 def test_gemv_rejects_bad_shapes():
     with pytest.raises(ValueError, match="M <= 4"):
         gemv(torch.zeros(5, 8), torch.zeros(3, 8))
@@ -57,10 +68,11 @@ def test_gemv_rejects_bad_shapes():
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 100), (64, 512), (5, 1500), (130, 1024)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 100), (64, 512), (5, 1500), (130, 1024), (37, 2100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_interp_gemv_matches_linear(dtype, m, n, k, bias):
-    # n not a multiple of BLOCK_N (37, 5, 130), K under, at and past BLOCK_K, uneven K (100, 1500)
+    # n not a multiple of BLOCK_N (37, 5, 130), K under, at and past BLOCK_K, uneven K (100, 1500);
+    # (37, 2100): few outputs over long rows, gemv_config's 1024-wide K tiles at 1-2 rows
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)

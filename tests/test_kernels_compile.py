@@ -179,14 +179,16 @@ def test_paged_attention_128_key_tiles_compile(splits, block_q):
 
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize(
-    ("rows", "k", "glu"),
-    [(r, k, False) for r in (1, 2, 4) for k in (4096, 12288, 1000)]
-    + [(r, k, True) for r in (1, 2) for k in (1024, 1000)],
+    ("rows", "n", "k", "glu"),
+    [(r, 4096, k, False) for r in (1, 2, 4) for k in (4096, 12288, 1000)]
+    + [(r, 1024, k, False) for r in (1, 2) for k in (2048, 3072)]
+    + [(r, 4096, k, True) for r in (1, 2) for k in (1024, 1000)],
 )
-def test_gemv_compiles_without_spills(rows, k, glu, pdl):
+def test_gemv_compiles_without_spills(rows, n, k, glu, pdl):
     # the engine's launch shapes (gemv_config) at Qwen3-8B / 0.6B widths; 1000: the masked-K path;
-    # glu: the gate/up product with SiLU(gate) * up in the epilogue (two accumulators)
-    block_n, block_k, warps, stages = gt.gemv_config(rows, 4096, k, glu)
+    # n = 1024: the 0.6B's o and down (wider K tiles); glu: the gate/up product with SiLU(gate) * up
+    # in the epilogue (two accumulators)
+    block_n, block_k, warps, stages = gt.gemv_config(rows, n, k, glu)
     constexprs = {
         "HAS_BIAS": rows == 2, "GLU": glu, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n,
         "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "PDL": pdl,
