@@ -129,8 +129,9 @@ def test_summary_pairs_adaptive_with_the_best_cell_within_each_repetition(monkey
     assert big["good_adaptive_over_best_paired"] == pytest.approx(0.99)
     stats: dict = {"times": {("good k=3", 1): []}, "hists": {}, "facts": {}}
     for ms in (5.0, 7.0):  # the runs' wall times are kept per repetition
-        facts = {"run_ms": 700.0 + ms, "first_token_run_ms": 30.0, "gc_pause_ms": ms}
+        facts = {"run_ms": 700.0 + ms, "first_token_ms": 30.0, "first_token_spread_ms": 0.0}
+        facts["gc_pause_ms"] = ms
         bench.record(stats, ("good k=3", "good", "spec", 3), 1, (10.0, None, facts), args, "k=3")
     kept = stats["facts"][("good k=3", 1)]
     assert kept["run_ms_reps"] == [705.0, 707.0] and kept["gc_pause_ms_reps"] == [5.0, 7.0]
-    assert kept["first_token_run_ms_reps"] == [30.0, 30.0]
+    assert kept["first_token_ms_reps"] == [30.0, 30.0] and kept["first_token_spread_ms_reps"] == [0.0, 0.0]

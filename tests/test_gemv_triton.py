@@ -198,6 +198,95 @@ def test_interp_gemv_writes_into_a_float32_out(m):
         gemv(x, w, out=torch.empty(m, 71))
 
 
+def _norm_then_gemv(x, residual, nw, eps, w, b, glu):
+    # the two launches rms_norm_gemv replaces: (product, x + residual)
+    from thinkspec.layers.fused_triton import rms_norm
+
+    if residual is None:
+        return gemv(rms_norm(x, nw, eps), w, b, glu=glu), x
+    h, s = rms_norm(x, nw, eps, residual)
+    return gemv(h, w, b, glu=glu), s
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("k", [64, 100, 1024])
+@pytest.mark.parametrize(
+    ("residual", "glu", "bias"), [(False, False, False), (True, False, True), (True, True, False)]
+)
+def test_interp_rms_norm_gemv_is_the_norm_then_the_product(dtype, m, k, residual, glu, bias):
+    # K within one tile, uneven (100), and over two tiles (1024: the 0.6B's hidden size)
+    g = torch.Generator().manual_seed(m * 100 + k)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    r = torch.randn(m, k, generator=g).to(dtype) if residual else None
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    n = 37
+    w = (torch.randn(2 * n if glu else n, k, generator=g) / k**0.5 * 2).to(dtype)
+    b = torch.randn(w.shape[0], generator=g).to(dtype) if bias else None
+    y, s = gemv_triton.rms_norm_gemv(x, r, nw, 1e-6, w, b, glu=glu)
+    ref_y, ref_s = _norm_then_gemv(x, r, nw, 1e-6, w, b, glu)
+    assert y.shape == (m, n) and y.dtype == dtype and torch.equal(s, ref_s)
+    if r is None:
+        assert s is x  # nothing added: the stream is x itself
+    # the same roundings; only the norm's float32 sum of squares may be ordered differently
+    torch.testing.assert_close(y, ref_y, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)
+
+
+@interp
+def test_interp_rms_norm_gemv_strided_rows_zero_rows_and_checks():
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 90, generator=g)
+    x, r = wide[:, :40], wide[:, 50:]  # rows of wider tensors
+    nw, w = torch.rand(40, generator=g) + 0.5, torch.randn(9, 40, generator=g)
+    y, s = gemv_triton.rms_norm_gemv(x, r, nw, 1e-5, w)
+    ref_y, ref_s = _norm_then_gemv(x.contiguous(), r.contiguous(), nw, 1e-5, w, None, False)
+    torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
+    assert torch.equal(s, ref_s)
+    # a zero row normalises to zeros (rsqrt(eps) x 0), not NaN
+    y0, _ = gemv_triton.rms_norm_gemv(torch.zeros(1, 40), None, nw, 1e-6, w)
+    assert torch.equal(y0, torch.zeros(1, 9))
+    empty, s_empty = gemv_triton.rms_norm_gemv(torch.zeros(0, 40), torch.zeros(0, 40), nw, 1e-6, w)
+    assert empty.shape == (0, 9) and s_empty.shape == (0, 40)
+    with pytest.raises(ValueError, match="K <= 1024"):
+        gemv_triton.rms_norm_gemv(torch.zeros(1, 1025), None, torch.ones(1025), 1e-6, torch.zeros(3, 1025))
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_triton.rms_norm_gemv(
+            torch.zeros(1, 8), None, torch.ones(8, dtype=torch.bfloat16), 1e-6, torch.zeros(3, 8)
+        )
+    with pytest.raises(ValueError, match="residual shape"):
+        gemv_triton.rms_norm_gemv(
+            torch.zeros(1, 8), torch.zeros(2, 8), torch.ones(8), 1e-6, torch.zeros(3, 8)
+        )
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv_triton.rms_norm_gemv(torch.zeros(5, 8), None, torch.ones(8), 1e-6, torch.zeros(3, 8))
+
+
+@interp
+def test_interp_linear_takes_the_norm_into_short_gemv_products():
+    from thinkspec.layers.norm import RMSNorm
+
+    layer, norm = linear.Linear(64, 48, bias=False), RMSNorm(64)
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    assert not layer.takes_norm(x[:1], norm)  # off by default
+    layer.gemv = layer.norm_prologue = True
+    assert not layer.takes_norm(x[:1], norm)  # the norm's own kernels off: the torch path
+    norm.fused = True
+    assert layer.takes_norm(x[:1], norm) and layer.takes_norm(x[:2], norm)
+    assert not layer.takes_norm(x, norm)  # 3 rows: not a GEMV product
+    assert not layer.takes_norm(x[:1].double(), norm)  # the norm weight's dtype differs
+    y, s = layer.norm_product(x[:2], r[:2], norm)
+    ref_h, ref_s = norm(x[:2], r[:2])
+    torch.testing.assert_close(y, F.linear(ref_h, layer.weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(s, ref_s)
+    wide, wide_norm = (
+        linear.Linear(gemv_triton.NORM_MAX_K + 1, 8, bias=False),
+        RMSNorm(gemv_triton.NORM_MAX_K + 1),
+    )
+    wide.gemv = wide.norm_prologue = wide_norm.fused = True
+    assert not wide.takes_norm(torch.zeros(1, gemv_triton.NORM_MAX_K + 1), wide_norm)
+
+
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
 
@@ -259,3 +348,29 @@ def test_gpu_gemv_float32_out():
     out = torch.empty(1, 4096, device="cuda")
     assert gemv(x, w, out=out) is out
     torch.testing.assert_close(out, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize(("n", "k", "glu"), [(4096, 1024, False), (3072, 1024, True)])  # 0.6B q/k/v, gate/up
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("residual", [False, True])
+@torch.inference_mode()
+def test_gpu_rms_norm_gemv_matches_the_two_launches(n, k, glu, m, residual):
+    g = torch.Generator(device="cuda").manual_seed(n + m + residual)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    r = torch.randn(m, k, device="cuda", generator=g).bfloat16() if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    w = (torch.randn(2 * n if glu else n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    y, s = gemv_triton.rms_norm_gemv(x, r, nw, 1e-6, w, glu=glu)
+    ref_y, ref_s = _norm_then_gemv(x, r, nw, 1e-6, w, None, glu)
+    assert torch.equal(s, ref_s)
+    err = (y.float() - ref_y.float()).abs()
+    assert (err <= ref_y.float().abs() * 2**-6 + 1e-3).all()  # a rounding of the normed input at most
+    assert (y == ref_y).float().mean().item() > 0.95
+    graph = torch.cuda.CUDAGraph()  # and it replays in a CUDA graph
+    with torch.cuda.graph(graph):
+        captured, _ = gemv_triton.rms_norm_gemv(x, r, nw, 1e-6, w, glu=glu)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, gemv_triton.rms_norm_gemv(x, r, nw, 1e-6, w, glu=glu)[0])
