@@ -155,8 +155,7 @@ def main() -> None:
         "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
         "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
         "dependent launch, thinkspec_nopdl), 'noglu' (gate_up product and SiLU * up as two launches, "
-        "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512), "
-        "'nonorm' (RMSNorm launched apart from the GEMV products of short rows, thinkspec_nonorm); "
+        "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512); "
         "comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
@@ -209,7 +208,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "nonorm")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -233,8 +232,6 @@ def main() -> None:
             for m in other.llm_engine.model.modules():
                 if variant == "cublas" and isinstance(m, Linear):
                     m.skinny_gemm = False
-                if variant == "nonorm" and isinstance(m, Linear):
-                    m.norm_prologue = False
                 if variant == "noglu" and isinstance(m, MergedLinear):
                     m.fuse_silu = False
                 if backend is not None and isinstance(m, Attention):

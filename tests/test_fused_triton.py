@@ -120,14 +120,10 @@ def test_set_fused_kernels_switches_every_module():
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 1 + 2 * 4  # lm_head; per layer qkv, o, gate_up, down
     assert not any(m.fused for m in switched) and not any(m.gemv or m.skinny_gemm for m in linears)
-    assert not any(m.norm_prologue for m in linears)
     model.set_fused_kernels(True)
-    assert all(m.fused for m in switched) and all(
-        m.gemv and m.skinny_gemm and m.norm_prologue for m in linears
-    )
+    assert all(m.fused for m in switched) and all(m.gemv and m.skinny_gemm for m in linears)
     set_fused_kernels(model, False)
     assert not any(m.fused for m in switched) and not any(m.gemv or m.skinny_gemm for m in linears)
-    assert not any(m.norm_prologue for m in linears)
 
 
 def test_wrappers_reject_bad_shapes():
@@ -292,30 +288,6 @@ def test_interp_model_logits_fused_match_torch(arch):
     out = _harness_logits(model, fused=True)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@interp
-def test_interp_model_runs_the_norms_inside_short_products(monkeypatch):
-    # the decode step's 2 rows: each layer's two norms run inside its q/k/v and gate/up GEMVs, with
-    # the logits of the separate launches; prefill and the 3-token verify keep the norm kernels
-    from thinkspec.layers import gemv_triton
-
-    model, _ = load_model(tiny_checkpoint("qwen3", tied=False))
-    calls = []
-    real = gemv_triton.rms_norm_gemv
-    monkeypatch.setattr(
-        gemv_triton, "rms_norm_gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
-    )
-    out = _harness_logits(model, fused=True)
-    layers = len(model.model.layers)
-    assert calls == [(2, model.config.hidden_size)] * 2 * layers
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.norm_prologue = False
-    h = PagedHarness(model, num_blocks=16, block_size=4, seed=1)  # the same steps, the norms apart
-    apart = [h.step([(0, list(range(20, 33))), (1, [5, 6, 7])], pad_rows=2), h.step([(0, [40]), (1, [41])])]
-    assert len(calls) == 2 * layers
-    torch.testing.assert_close(out[1], apart[1], rtol=1e-6, atol=1e-6)
 
 
 # The engine-level check (greedy tokens with attention_backend="triton", which turns the fused

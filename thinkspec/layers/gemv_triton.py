@@ -15,9 +15,7 @@ cross-program reduction is needed:
 With glu the weight holds gate rows then up rows, a program keeps both sums of its outputs, and
 it writes SiLU(gate) * up (MergedLinear.silu_and_mul: one launch instead of the product and
 fused_triton.silu_and_mul). An `out` buffer of another float dtype (the float32 logits) takes the
-sums rounded once to it. rms_norm_gemv also applies the RMSNorm before the product (with the
-residual add before it) to the rows of x as it reads them: one launch instead of the norm's and
-the product's, for the short rows of the 0.6B draft.
+sums rounded once to it.
 
 Numerics: products and sums in float32, the result rounded once to the output dtype (as cuBLAS
 does, up to summation order). The grid depends only on shapes, so launches are CUDA-graph
@@ -36,7 +34,6 @@ from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 SMALL_N = 1024  # outputs up to which a long-K product takes its own launch shape (gemv_config)
-NORM_MAX_K = 1024  # the longest row rms_norm_gemv normalises inside the product (see there)
 
 
 @triton.jit
@@ -48,23 +45,14 @@ def _gemv_kernel(
     b_ptr,  # [N] (GLU: [2N]) (HAS_BIAS)
     y_ptr,  # [M, N], last dim contiguous
     stride_y,
-    res_ptr,  # [M, K] residual added to x before the norm (RESIDUAL), last dim contiguous
-    stride_res,
-    res_out_ptr,  # [M, K] x + residual, written by program 0 (RESIDUAL)
-    stride_res_out,
-    nw_ptr,  # [K] RMSNorm weight (NORM)
-    eps,  # RMSNorm epsilon (NORM)
     M,
     N,
     K,
     HAS_BIAS: tl.constexpr,
     GLU: tl.constexpr,  # y = SiLU(x @ W[:N].T + b[:N]) * (x @ W[N:].T + b[N:])
-    NORM: tl.constexpr,  # x -> RMSNorm(x (+ residual)) first, as fused_triton.rms_norm rounds it
-    RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_ROW: tl.constexpr,  # NORM: a power of two >= K, the whole row the norm's statistics read at once
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
     PDL: tl.constexpr,
 ):
@@ -77,22 +65,7 @@ def _gemv_kernel(
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
     up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
     x_base = x_ptr + rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    res_base = res_ptr + rows[:, None] * stride_res + ks[None, :]
     wait_prior(PDL)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
-        # Every program reads the whole (short) row once for the norm's statistics; program 0 also
-        # writes x + residual for the next layer. One round trip to L2, in place of a launch.
-        kr = tl.arange(0, K_ROW)
-        row_mask = row_ok[:, None] & (kr < K)[None, :]
-        x_row = x_ptr + rows[:, None] * stride_x + kr[None, :]
-        row_sum = _norm_input(x_row, res_ptr + rows[:, None] * stride_res + kr[None, :], row_mask, RESIDUAL)
-        if RESIDUAL:
-            out_row = res_out_ptr + rows[:, None] * stride_res_out + kr[None, :]
-            first = (rows[:, None] + pid * BLOCK_M) < BLOCK_M  # program 0 only
-            tl.store(out_row, row_sum, mask=row_mask & first)
-        sf = row_sum.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(sf * sf, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if GLU else (1, 1, 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -104,14 +77,7 @@ def _gemv_kernel(
             w_mask = col_ok[:, None] & k_ok[None, :]
             x_mask = row_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if NORM:
-            xs = _norm_input(x_base + k0, res_base + k0, x_mask, RESIDUAL)
-            normed = (xs.to(tl.float32) * rstd[:, None]).to(xs.dtype)  # RMSNorm's `x.to(dtype)`
-            nw = tl.load(nw_ptr + k0 + ks, mask=(k0 + ks) < K, other=0.0)
-            x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(xs.dtype)  # `weight * x`
-            x = x.to(tl.float32)[:, None, :]
-        else:
-            x = tl.load(x_base + k0, mask=x_mask, other=0.0).to(tl.float32)[:, None, :]
+        x = tl.load(x_base + k0, mask=x_mask, other=0.0).to(tl.float32)[:, None, :]
         acc += x * w.to(tl.float32)[None, :, :]
         if GLU:
             w_up = tl.load(up_base + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
@@ -127,16 +93,6 @@ def _gemv_kernel(
         y = silu_mul(y, up, x_ptr.dtype.element_ty)
     out = y_ptr + rows[:, None] * stride_y + cols[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _norm_input(x_ptrs, res_ptrs, mask, RESIDUAL: tl.constexpr):
-    """x (+ residual) at these pointers, in x's dtype: the sum rounded once, as `x + residual`."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if RESIDUAL:
-        r = tl.load(res_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
 
 
 def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
@@ -211,63 +167,14 @@ def gemv(
     fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul), in one launch.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
     x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS, glu, out)
-    if not done:
-        _launch(x, weight, bias, y, glu, config, None)
-    return y
-
-
-def rms_norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    glu: bool = False,
-    config: tuple[int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (M <= MAX_ROWS, K <= NORM_MAX_K), residual [M, K] or None, norm_weight [K] (x's dtype)
-    -> (gemv(RMSNorm(s)) [M, N] (glu: SiLU(gate) * up), s [M, K]) with s = x + residual (x itself
-    without one), in one launch: fused_triton.rms_norm followed by gemv, whose values these are up to
-    the order of the float32 sum in the norm's mean of squares (so one bf16 rounding of the normed
-    input at most). Each program computes the norm's statistics over the whole row, which is why the
-    row must be short (the 0.6B's 1,024; the 8B's 4,096 would be read by each of 1,536 programs)."""
-    m, k = x.shape
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or k > NORM_MAX_K:
-        want = f"a [{k}] {x.dtype} norm weight and K <= {NORM_MAX_K}"
-        raise ValueError(f"rms_norm_gemv takes {want}, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
-    x, weight, y, done = product_operands("rms_norm_gemv", x, weight, bias, MAX_ROWS, glu)
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    s = x if residual is None else torch.empty_like(x)
-    if done:  # no rows, no outputs or K = 0: nothing for the kernel to do but the sum
-        if residual is not None:
-            torch.add(x, residual, out=s)
-        return y, s
-    _launch(x, weight, bias, y, glu, config, (residual, s, norm_weight.contiguous(), eps))
-    return y, s
-
-
-def _launch(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K] (glu: [2N, K])
-    bias: torch.Tensor | None,
-    y: torch.Tensor,  # [M, N]
-    glu: bool,
-    config: tuple[int, int, int, int] | None,
-    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,  # residual, s, weight, eps
-) -> None:
+    if done:
+        return y
     (m, k), n = x.shape, y.shape[1]
     block_n, block_k, warps, stages = config or gemv_config(m, n, k, glu)
-    residual, s, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
-    res = residual if residual is not None else x
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
-        res, res.stride(0), s, s.stride(0), norm_weight, eps, m, n, k,
-        HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        K_ROW=triton.next_power_of_2(k) if norm is not None else 1, EVEN_K=k % block_k == 0,
-        num_warps=warps, num_stages=stages, **launch_args(x.device),
+        m, n, k,
+        HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **launch_args(x.device),
     )  # fmt: skip
+    return y

@@ -32,7 +32,6 @@ CheckpointSlice = tuple[int, int, int] | None
 class Linear(nn.Linear):
     gemv = False  # True: the Triton GEMV for the products described above (CUDA or TRITON_INTERPRET)
     skinny_gemm = False  # True: the skinny Triton GEMM where SKINNY_GEMM_TABLE says it wins
-    norm_prologue = False  # True: an RMSNorm before a GEMV product of short rows runs inside it
 
     def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
         """The part of checkpoint tensor `leaf` ("weight" [out, in] / "bias" [out]; of projection
@@ -67,27 +66,6 @@ class Linear(nn.Linear):
             # cuBLAS writes the float32 sums straight into out: no product in x's dtype, no cast-copy
             return torch.mm(x, self.weight.t(), out_dtype=out.dtype, out=out)
         return out.copy_(F.linear(x, self.weight, bias))
-
-    def takes_norm(self, x: torch.Tensor, norm: nn.Module, glu: bool = False) -> bool:
-        """Whether norm_product may run `norm` (an RMSNorm with fused kernels on) over x [T, in] inside
-        this layer's product: the GEMV takes the product and the rows are at most NORM_MAX_K long."""
-        if not (self.norm_prologue and getattr(norm, "fused", False) and norm.weight.dtype == x.dtype):
-            return False
-        if self.triton_kernel(x, glu) != "gemv":  # (before the import: prefill steps stop here)
-            return False
-        from thinkspec.layers.gemv_triton import NORM_MAX_K
-
-        return x.shape[1] <= NORM_MAX_K
-
-    def norm_product(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, glu: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [T, in] (residual None: none to add) -> (this layer's product of
-        # norm(x + residual) [T, out] (glu: SiLU(gate) * up [T, out / 2]), x + residual [T, in]) in one
-        # GEMV launch; only where takes_norm(x, norm, glu)
-        from thinkspec.layers.gemv_triton import rms_norm_gemv
-
-        return rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu=glu)
 
     def triton_kernel(self, x: torch.Tensor, glu: bool = False) -> str | None:
         """Which kernel computes this layer's product of x [..., in]: "gemv", "skinny" or None (F.linear)

@@ -39,9 +39,7 @@ def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
     default, any device). Both compute the same values (see fused_triton.py). Also switches the
     single-row products of the smaller linear layers to the Triton GEMV, and the 3..64-row products
     that SKINNY_GEMM_TABLE lists to the skinny Triton GEMM (layers/linear.py); both equal F.linear up
-    to the order of their float32 sums. Where the GEMV takes a layer's q/k/v or gate/up product over
-    rows of at most NORM_MAX_K (the 0.6B draft at 1-2 rows), the RMSNorm before it runs inside it
-    (gemv_triton.rms_norm_gemv): the same values up to the order of the norm's float32 sum."""
+    to the order of their float32 sums."""
     if enabled:
         import thinkspec.layers.fused_triton  # noqa: F401 (fail here, not mid-forward, without triton)
     for m in module.modules():
@@ -50,7 +48,6 @@ def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
         elif isinstance(m, Linear):
             m.gemv = enabled
             m.skinny_gemm = enabled
-            m.norm_prologue = enabled
 
 
 class DecoderAttention(nn.Module):
@@ -82,11 +79,7 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T] int64; x: [T, hidden] -> [T, hidden]
-        return self.attend(positions, self.qkv_proj(x))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        # positions: [T] int64; qkv: [T, q + 2 kv] this layer's q/k/v product -> [T, hidden]
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -159,23 +152,13 @@ class DecoderLayer(nn.Module):
         # positions: [T] int64; x: [T, hidden], the previous layer's MLP output (the embeddings for
         # the first layer, where residual is None); residual: [T, hidden], the stream before x.
         # Returns (this layer's MLP output, the stream before it); their sum is the layer's output.
-        # Where the GEMV takes the q/k/v or gate/up product of short rows, the norm runs inside it.
-        attn, mlp = self.self_attn, self.mlp
-        if attn.qkv_proj.takes_norm(x, self.input_layernorm):
-            qkv, residual = attn.qkv_proj.norm_product(x, residual, self.input_layernorm)
-            x = attn.attend(positions, qkv)
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
         else:
-            if residual is None:
-                x, residual = self.input_layernorm(x), x
-            else:
-                x, residual = self.input_layernorm(x, residual)  # residual = x + residual, x = norm(that)
-            x = attn(positions, x)
-        gate_up, norm = mlp.gate_up_proj, self.post_attention_layernorm
-        if mlp.fused and gate_up.fuse_silu and gate_up.takes_norm(x, norm, glu=True):
-            h, residual = gate_up.norm_product(x, residual, norm, glu=True)
-            return mlp.down_proj(h), residual
-        x, residual = norm(x, residual)
-        return mlp(x), residual
+            x, residual = self.input_layernorm(x, residual)  # residual = x + residual, x = norm(that)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
