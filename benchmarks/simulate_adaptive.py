@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from thinkspec.spec_decode import draft_length
-from thinkspec.spec_decode.draft_length import ANSWER, GROUPS, THINKING, AdaptiveDraftLength
+from thinkspec.spec_decode.draft_length import ANSWER, GROUPS, THINKING, AdaptiveDraftLength, drain_weights
 from thinkspec.spec_decode.step_costs import StepCostModel, StepCosts
 
 
@@ -102,6 +102,7 @@ class ClosedBatch:
         self.step_batches, self.step_ms = steps  # [M], [M, K+1]
         self.rates = rates  # [G, K] conditional acceptance per group (only answer and thinking used)
         self.switch_ms = switch_ms  # a drafting step's extra ms when plain steps left the draft behind
+        self.drain = DRAIN  # the chooser weighs rows by the tokens they have left, as the engine's does
 
     def step_time(self, rows: int, kmax: int) -> float:
         return float(np.interp(rows, self.step_batches, self.step_ms[:, kmax]))
@@ -119,7 +120,8 @@ class ClosedBatch:
             groups = np.where(done[live] < self.thinking_tokens, THINKING, ANSWER)
             if isinstance(policy, AdaptiveDraftLength):
                 counts = np.bincount(groups, minlength=len(GROUPS))
-                ks = policy.choose(counts, behind=[lag > 2] * len(GROUPS))[groups]
+                weights = drain_weights(groups, self.output_len - done[live]) if self.drain else None
+                ks = policy.choose(counts, behind=[lag > 2] * len(GROUPS), weights=weights)[groups]
                 if policy.probe_rows is not None:  # a probe out of plain decoding: its first rows only
                     ks[np.flatnonzero(ks)[policy.probe_rows :]] = 0
             else:
@@ -140,6 +142,8 @@ class ClosedBatch:
                 (policy.observe_switch if switch else policy.observe_time)(ks, ms)
             seconds += ms / 1e3
 
+
+DRAIN = True  # --no-drain: the chooser counts every row alike (the engine while requests wait)
 
 # Chooser constants --set may change (what-if runs): module constants of draft_length, and the two
 # weights of its acceptance estimates
@@ -239,8 +243,12 @@ def main() -> None:
                     help=f"a chooser constant for a what-if run: {', '.join(names)}")  # fmt: skip
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="extra ms of a drafting step after plain steps (the draft's catch-up)")  # fmt: skip
+    ap.add_argument("--no-drain", action="store_true",
+                    help="the chooser counts every row alike, not by the tokens it has left")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    global DRAIN
+    DRAIN = not args.no_drain
     settings = {}
     for item in args.set:
         name, _, value = item.partition("=")

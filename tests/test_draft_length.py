@@ -24,6 +24,7 @@ from thinkspec.spec_decode.draft_length import (
     AcceptanceEstimates,
     AdaptiveDraftLength,
     ForcedDraftLength,
+    drain_weights,
     expected_tokens,
 )
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
@@ -632,9 +633,9 @@ def test_engine_samples_the_switch_at_the_first_drafting_step_after_plain_steps(
     behind, log = [], []
     choose = policy.choose
 
-    def choosing(counts, context=0, late=None):
+    def choosing(counts, context=0, late=None, weights=None):
         behind.append(any(late or []))
-        return choose(counts, context, late)
+        return choose(counts, context, late, weights)
 
     policy.choose = choosing
     policy.observe_time = lambda ks, ms, context=0: log.append(("steady", int(ks.max())))
@@ -720,3 +721,64 @@ def test_a_few_drafting_rows_catch_up_alone():
     assert all(len(f) == 2 for f in decode_forwards)  # the two rows not drafting are never fed
     # the steps in between draft with rows in step: steady samples, though two rows lag behind
     assert samples.count("switch") == 2 and samples.count("steady") > 2
+
+
+def test_drain_weights_count_rows_by_the_tokens_they_have_left():
+    groups = [ANSWER] * 12 + [THINKING] * 4
+    weights = drain_weights(groups, [20] * 12 + [50] * 4)
+    assert weights == pytest.approx([12 * 0.4, 4.0, 0.0])
+    assert drain_weights([THINKING, THINKING], [7, 7]) == pytest.approx([0.0, 2.0, 0.0])  # all alike: counts
+    assert drain_weights([], []) == [0.0, 0.0, 0.0]
+    assert drain_weights([ANSWER], [0]) == [0.0, 0.0, 0.0]  # nothing left anywhere: no division by zero
+
+
+def test_a_draining_batch_drafts_for_its_longest_rows():
+    """12 answer rows near their end and 4 thinking rows with more left: counted alike, the plain
+    step emits the most tokens per ms; weighted by what each row has left (a batch that drains takes
+    as long as its longest rows), drafting for the thinking rows wins. Costs: plain 5 ms, a draft
+    forward 0.5 ms, verify as plain; thinking k = 1 emits 12 + 4 x 1.5 tokens in 5.5 ms against 16 in
+    5 ms (under PLAIN_MARGIN), weighted 1.2 + 4 x 1.5 against 5.2."""
+    counts = np.array([12, 4, 0])
+    weights = drain_weights([ANSWER] * 12 + [THINKING] * 4, [4] * 12 + [40] * 4)
+    for w, drafts in ((None, False), (weights, True)):
+        chooser = AdaptiveDraftLength(K, _costs(plain=5.0, draft=0.5))
+        chooser.estimates.rates[ANSWER] = 0.0  # an answer row's drafts are never accepted
+        chooser.estimates.rates[THINKING] = 0.5
+        ks = chooser.choose(counts, weights=w)
+        assert bool(ks[THINKING]) == drafts and ks[ANSWER] == 0
+    chooser.trace = []
+    for _ in range(REFRESH):  # the weights are kept for the refresh of the cached choice
+        chooser.choose(counts, weights=weights)
+    chooser.refresh()
+    assert chooser.trace and chooser.trace[-1]["ks"]["thinking"] > 0
+
+
+def test_engine_weighs_rows_by_what_they_have_left_only_while_no_request_waits(monkeypatch):
+    """A closed batch drains: the chooser gets each group's rows weighted by their tokens left. With a
+    request waiting for a slot it gets none (every row counts alike: its slot is refilled)."""
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {
+        "model": str(target),
+        "num_speculative_tokens": K,
+        "synthetic_acceptance_rate": 0.5,
+        "adaptive_k": True,
+    }
+    seen = []
+    for max_num_seqs, n in ((2, 2), (1, 2)):
+        llm = LLM(target, device="cpu", speculative_config=cfg, max_num_seqs=max_num_seqs)
+        chooser = llm.llm_engine.speculator.draft_length
+        real = chooser.choose
+        seen.clear()
+        monkeypatch.setattr(
+            chooser,
+            "choose",
+            lambda c, ctx=0, b=None, w=None, real=real: seen.append(w) or real(c, ctx, b, w),
+        )
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 6)][:n]
+        llm.generate([[72, 105, 33], [65, 66]], params, use_tqdm=False)
+        if max_num_seqs == 2:  # both admitted at once: the batch drains from the first step
+            assert seen and all(w is not None for w in seen)
+            first = next(w for w in seen if sum(w))  # the first with decode rows: 11 / 11 + 5 / 11 left
+            assert sum(first) == pytest.approx(1 + 5 / 11)
+        else:  # the second request waits while the first runs, then drains alone
+            assert seen[0] is None and seen[-1] is not None

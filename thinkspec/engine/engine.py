@@ -261,6 +261,8 @@ class LLMEngine:
             outputs += self._commit_in_flight(finished_only)
             flight = None
         sched = self.scheduler.schedule(num_lookahead_tokens=spec.k if spec is not None else 0)
+        if spec is not None:  # adaptive_k: no request waits to take a finished row's place
+            spec.draining = not self.scheduler.waiting
         if sched.is_empty:
             if flight is not None:
                 return outputs + self._commit_in_flight(finished_only)

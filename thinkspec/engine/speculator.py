@@ -37,7 +37,13 @@ from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling.logprobs import LogprobsTensors
 from thinkspec.sampling.rejection import RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
-from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength, group_of
+from thinkspec.spec_decode.draft_length import (
+    GROUPS,
+    AdaptiveDraftLength,
+    ForcedDraftLength,
+    drain_weights,
+    group_of,
+)
 from thinkspec.spec_decode.draft_model import DraftModelProposer, draft_behind
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
@@ -229,6 +235,9 @@ class Speculator:
         # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
         self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
+        # adaptive_k: no request waits to take a finished row's place (the engine sets it each step):
+        # the chooser then weighs rows by the tokens they may still emit (draft_length.drain_weights)
+        self.draining = False
         # adaptive_k: what the chooser has still to learn, oldest first, as (its method, arguments):
         # observe_time / observe_switch (row_ks, wall ms, context) of a timed step, observe (groups,
         # num_drafts, num_accepted) of a step's windows. Learnt while the device runs the next
@@ -371,13 +380,15 @@ class Speculator:
             return seq.num_output_tokens < profile["thinking_tokens"]
         return seq.thinking
 
+    def tokens_left(self, seq: Sequence) -> int:
+        """The most tokens the request may still emit (max_tokens, max_model_len)."""
+        room = self.max_model_len - seq.num_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        return room if max_tokens is None else min(room, max_tokens - seq.num_output_tokens)
+
     def max_drafts_for(self, seq: Sequence) -> int:
         """Drafts worth proposing: no more than the tokens the request may still emit, minus the bonus."""
-        p = seq.sampling_params
-        room = self.max_model_len - seq.num_tokens
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - seq.num_output_tokens)
-        return max(0, min(self.k, room - 1))
+        return max(0, min(self.k, self.tokens_left(seq) - 1))
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -456,6 +467,7 @@ class Speculator:
         thinking, groups, counts, context = [], [], [0] * len(GROUPS), 0
         late, behind = [], [False] * len(GROUPS)  # per decode row / group: the draft is behind
         draft = self.has_draft_model
+        left: list[int] | None = [] if self.draining else None  # tokens each row may still emit
         for i in decodes:
             seq = seqs[i]
             t = self.is_thinking(seq)
@@ -467,7 +479,10 @@ class Speculator:
             lag = draft and draft_behind(seq)
             late.append(lag)
             behind[g] = behind[g] or lag
-        group_ks = self.draft_length.choose(counts, context, behind).tolist()
+            if left is not None:
+                left.append(self.tokens_left(seq))
+        weights = drain_weights(groups, left) if left is not None else None
+        group_ks = self.draft_length.choose(counts, context, behind, weights).tolist()
         if not any(group_ks):  # the plain step: no row drafts, no caps to work out
             return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context, False
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0

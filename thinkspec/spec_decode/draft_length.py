@@ -64,6 +64,19 @@ PLAIN_PROBE_PERIOD = 256
 PLAIN_PROBE_ROWS = 4
 
 
+def drain_weights(groups: list[int] | np.ndarray, left: list[int] | np.ndarray) -> list[float]:
+    """[G] per group, its rows' tokens left (left [R], of rows in groups [R]) over the most any row has
+    left: the weights of a batch that drains (no request waits to take a finished row's place). Its
+    time is then the time its longest rows take, and a row about to finish adds little to it: at 12
+    answer rows with ~20 tokens left and 4 thinking rows with ~50, the plain step emits the most
+    tokens per ms, but leaves the 4 thinking rows one token per step for the batch's last 50 steps."""
+    top = max(max(left, default=0), 1)
+    out = [0.0] * len(GROUPS)
+    for g, r in zip(groups, left):
+        out[g] += max(r, 0) / top
+    return out
+
+
 def group_of(thinking: bool, relaxed: bool) -> int:
     """GROUPS index of a row: relaxation only applies while thinking."""
     return (THINKING_RELAXED if relaxed else THINKING) if thinking else ANSWER
@@ -121,6 +134,7 @@ class AdaptiveDraftLength:
         # drafts, choice number)
         self._cache: tuple[list[int], list[bool], np.ndarray, bool, int] | None = None
         self._context = 0  # the last choice's context (refresh redoes its search)
+        self._weights: list[float] | None = None  # and its weights
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
         # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
@@ -131,12 +145,17 @@ class AdaptiveDraftLength:
         self.steps: list[tuple[int, int, float, float, bool]] | None = None
 
     def choose(
-        self, counts: np.ndarray | list[int], context: int = 0, behind: list[bool] | None = None
+        self,
+        counts: np.ndarray | list[int],
+        context: int = 0,
+        behind: list[bool] | None = None,
+        weights: list[float] | None = None,
     ) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0),
         context tokens in all (their sequences' lengths summed); behind [G]: the group has rows whose
-        draft must catch up first (plain steps ran; None: none). A reused all-plain choice takes the
-        plain-Python path: it runs before every plain step."""
+        draft must catch up first (plain steps ran; None: none); weights [G]: the group's rows
+        weighted by their share of the work left (see drain_weights; None: every row 1). A reused
+        all-plain choice takes the plain-Python path: it runs before every plain step."""
         behind = behind or [False] * len(GROUPS)
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
@@ -144,10 +163,10 @@ class AdaptiveDraftLength:
         if not present:
             return np.zeros(len(GROUPS), dtype=np.int64)
         self.num_choices += 1
-        self._context = context
+        self._context, self._weights = context, weights
         best = self._cached_best(key, behind)
         if best is None:
-            best = self._search(key, context, behind)
+            best = self._search(key, context, behind, weights)
         assert self._cache is not None
         drafts = self._cache[3]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
@@ -170,12 +189,14 @@ class AdaptiveDraftLength:
             return
         key, behind, _, drafts, made = self._cache
         if self.num_choices + 1 - made >= (REFRESH if drafts else REFRESH_PLAIN):
-            self._search(key, self._context, behind)
+            self._search(key, self._context, behind, self._weights)
 
-    def _search(self, key: list[int], context: int, behind: list[bool]) -> np.ndarray:
+    def _search(
+        self, key: list[int], context: int, behind: list[bool], weights: list[float] | None = None
+    ) -> np.ndarray:
         """The best ks [P] of the groups present for counts key [G] (cached as made at this choice)."""
         self.costs.ensure(sum(key))
-        grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind)
+        grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind, weights)
         rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
         pick = int(np.argmax(rates))
         if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
@@ -218,18 +239,23 @@ class AdaptiveDraftLength:
         })  # fmt: skip
 
     def evaluate(
-        self, counts: np.ndarray, context: int = 0, behind: list[bool] | None = None
+        self,
+        counts: np.ndarray,
+        context: int = 0,
+        behind: list[bool] | None = None,
+        weights: list[float] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
-        [N], modelled ms [N]) for the N = (K+1)^P choices; context: tokens of context in all; behind
-        [G]: a choice drafting with such a group first catches its draft up (the switch cost, spread
-        over SWITCH_HORIZON)."""
+        [N] (weighted by weights [G] where given), modelled ms [N]) for the N = (K+1)^P choices;
+        context: tokens of context in all; behind [G]: a choice drafting with such a group first
+        catches its draft up (the switch cost, spread over SWITCH_HORIZON)."""
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.float64)  # [P]
         batch = int(counts.sum())
         grid = self._grid(present.size)  # [P, N]
         table = expected_tokens(self.estimates.rates[present])  # [P, K+1]
-        gain = (n[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
+        w = n if weights is None else np.asarray(weights, dtype=np.float64)[present]  # [P]
+        gain = (w[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
         kmax = grid.max(axis=0)  # [N]
         cost = self.costs.round_ms(batch)[kmax]  # [N]: draft forwards over every row, verify at kmax+1
         if self.k_max > 1:
@@ -329,7 +355,13 @@ class ForcedDraftLength:
         """Every group drafts k (0 = plain decode steps)."""
         return cls(k_max, lambda step, counts: np.full(len(GROUPS), k))
 
-    def choose(self, counts: np.ndarray, context: int = 0, behind: list[bool] | None = None) -> np.ndarray:
+    def choose(
+        self,
+        counts: np.ndarray,
+        context: int = 0,
+        behind: list[bool] | None = None,
+        weights: list[float] | None = None,
+    ) -> np.ndarray:
         ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
         ks = np.clip(ks, 0, self.k_max)
         self.num_choices += 1
