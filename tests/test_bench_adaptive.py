@@ -135,3 +135,32 @@ def test_summary_pairs_adaptive_with_the_best_cell_within_each_repetition(monkey
     kept = stats["facts"][("good k=3", 1)]
     assert kept["run_ms_reps"] == [705.0, 707.0] and kept["gc_pause_ms_reps"] == [5.0, 7.0]
     assert kept["first_token_ms_reps"] == [30.0, 30.0] and kept["first_token_spread_ms_reps"] == [0.0, 0.0]
+
+
+def test_timed_run_times_decode_from_the_batch_first_token(monkeypatch):
+    """tok/s = the tokens after each request's first over the time from the batch's first token to its
+    last; the prefill before it (whose host time varies from run to run) is not in it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = importlib.import_module("bench_adaptive")
+    from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock["now"])
+
+    class FakeLLM:
+        last_spec_metrics = None
+
+        def generate(self, prompts, params, use_tqdm=False):
+            outs = []
+            for i, (first, end) in enumerate(((100.5, 102.5), (100.5, 103.5))):  # prefill 0.5 s
+                m = RequestMetrics(100.0, first_token_time=first, finished_time=end)
+                done = CompletionOutput(0, "", list(range(params.max_tokens)), finish_reason="length")
+                outs.append(RequestOutput(str(i), None, prompts[i], [done], True, metrics=m))
+            clock["now"] = 104.0
+            return outs
+
+    tok_s, metrics, facts = bench.timed_run(FakeLLM(), [[1], [2]], 11)
+    assert tok_s == pytest.approx(2 * 10 / 3.0)  # 20 tokens after the first ones, from 100.5 to 103.5
+    assert metrics is None
+    assert facts["run_ms"] == pytest.approx(4000.0) and facts["first_token_ms"] == pytest.approx(500.0)
+    assert facts["first_token_spread_ms"] == 0.0 and facts["gc_pause_ms"] >= 0.0

@@ -747,10 +747,11 @@ def test_a_draining_batch_drafts_for_its_longest_rows():
         ks = chooser.choose(counts, weights=w)
         assert bool(ks[THINKING]) == drafts and ks[ANSWER] == 0
     chooser.trace = []
-    for _ in range(REFRESH):  # the weights are kept for the refresh of the cached choice
+    for _ in range(REFRESH - 1):  # the cached choice, reused
         chooser.choose(counts, weights=weights)
-    chooser.refresh()
-    assert chooser.trace and chooser.trace[-1]["ks"]["thinking"] > 0
+    assert not chooser.trace
+    chooser.refresh()  # due now: searches again, with the last choice's weights
+    assert len(chooser.trace) == 1 and chooser.trace[0]["ks"]["thinking"] > 0
 
 
 def test_engine_weighs_rows_by_what_they_have_left_only_while_no_request_waits(monkeypatch):
