@@ -125,7 +125,7 @@ def timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> Sample:
     requests' first tokens came (0 when one forward prefilled every prompt, as build_engines sizes it),
     the collector's pauses). The prefill runs eagerly and its host time varies by tens of ms from run
     to run, which is why it is left out by these timestamps rather than by subtracting a second,
-    1-token run (as before 2026-12-02: that run's own spread, 21-90 ms, entered every figure)."""
+    1-token run (as before 2026-12-02: that run's own spread, 21-130 ms, entered every figure)."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     with quiet_heap() as heap:
         start = time.monotonic()  # the clock of RequestMetrics

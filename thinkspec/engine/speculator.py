@@ -198,6 +198,11 @@ def _budget(params) -> int:
 
 
 class Speculator:
+    # adaptive_k: no request waits to take a finished row's place (the engine sets it after it
+    # schedules each step): the chooser then weighs rows by the tokens they may still emit
+    # (draft_length.drain_weights)
+    draining = False
+
     def __init__(
         self,
         config: SpeculativeConfig,
@@ -235,9 +240,6 @@ class Speculator:
         # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
         self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
-        # adaptive_k: no request waits to take a finished row's place (the engine sets it each step):
-        # the chooser then weighs rows by the tokens they may still emit (draft_length.drain_weights)
-        self.draining = False
         # adaptive_k: what the chooser has still to learn, oldest first, as (its method, arguments):
         # observe_time / observe_switch (row_ks, wall ms, context) of a timed step, observe (groups,
         # num_drafts, num_accepted) of a step's windows. Learnt while the device runs the next

@@ -103,8 +103,8 @@ def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, 
     (bench_gemv); num_stages makes no difference (nothing in the loop feeds a dot to pipeline).
     Few outputs over long rows (n <= SMALL_N, k >= 2048: the 0.6B's o and down) leave n / 4 programs,
     about two per SM, each walking K one 512 tile at a time: too few loads in flight to stream the
-    weight. There 2 outputs and 1024-wide K tiles per program, with 4 warps, measured 22-27% faster
-    (o 3.4 against 4.4 us, down 4.2 against 5.8 at 1 row).
+    weight. There 2 outputs and 1024-wide K tiles per program, with 4 warps, measured 23-29% faster
+    (o 3.0 against 4.0 us, down 3.8 against 5.3 at 1 row; docs/BENCHMARKS.md, twelfth session).
     With glu a program reads gate and up rows: half the outputs, the same weight rows per program
     (and registers: two accumulators of the full size spill at 2 rows)."""
     block_k = min(512, triton.next_power_of_2(k))

@@ -13,7 +13,9 @@ maximises sum_g n_g E_g(k_g) / cost over the whole (K+1)^G grid (G <= 3 groups p
 zeros is the engine's plain decode step, kept unless drafting beats it by PLAIN_MARGIN. After plain
 steps the draft model is behind and the first drafting step first catches up its drafting rows (an
 eager forward over every token since, tens of ms at batch 16): a choice that drafts with a group the
-engine reports behind also pays the learned switch cost, spread over SWITCH_HORIZON steps.
+engine reports behind also pays the learned switch cost, spread over SWITCH_HORIZON steps. While no
+request waits to take a finished row's place, n_g is replaced by the group's rows weighted by their
+share of the tokens left (drain_weights): the batch takes as long as its longest rows.
 
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
