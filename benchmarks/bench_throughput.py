@@ -48,12 +48,6 @@ def rate_for_acceptance_length(length: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def gemv512_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
-    """gemv_config without its few-outputs rule: 512-wide K tiles everywhere (the 'gemv512' variant)."""
-    block_n, warps = (4, 2) if num_rows <= 2 else (2, 4)
-    return block_n // 2 if glu else block_n, min(512, 1 << max(k - 1, 0).bit_length()), warps, 1
-
-
 def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
     import transformers
 
@@ -219,7 +213,7 @@ def main() -> None:
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
         use_pdl = pdl.ENABLED  # process-wide and read at launch: set before each engine runs (and captures)
-        config = gemv_triton.gemv_config  # the same: the GEMV reads it at each launch
+        small_n = gemv_triton.SMALL_N  # the same: gemv_config reads it per launch (0: no few-outputs rule)
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
             other = LLM(tdir, **common)
@@ -244,7 +238,7 @@ def main() -> None:
             for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
                 for name, engine, overlap in plain:
                     pdl.ENABLED = use_pdl and name != "thinkspec_nopdl"
-                    gemv_triton.gemv_config = gemv512_config if name == "thinkspec_gemv512" else config
+                    gemv_triton.SMALL_N = 0 if name == "thinkspec_gemv512" else small_n
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
             for name, times in reps.items():
@@ -254,7 +248,7 @@ def main() -> None:
                 record(
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
-        pdl.ENABLED, gemv_triton.gemv_config = use_pdl, config
+        pdl.ENABLED, gemv_triton.SMALL_N = use_pdl, small_n
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
