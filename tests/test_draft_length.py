@@ -566,6 +566,9 @@ def test_trace_records_each_fresh_choice():
     assert one["tok_per_ms"] > one["plain_tok_per_ms"] > 0 and len(one["overhead_ms"]) == K + 1
     assert one["rates"]["thinking"] == [0.9] * K and set(one["rates"]) == {"answer", "thinking"}
     assert two["ks"] == {"answer": 0, "thinking": 0} and two["tok_per_ms"] == two["plain_tok_per_ms"]
+    assert one["weights"] is None  # every row counted alike
+    chooser.choose(np.array([2, 20, 0]), weights=[0.5, 12.25, 0.0])  # other counts: a fresh search
+    assert len(chooser.trace) == 3 and chooser.trace[-1]["weights"] == {"answer": 0.5, "thinking": 12.25}
 
 
 def test_switch_cost_is_learned_from_switch_steps():

@@ -206,7 +206,7 @@ class AdaptiveDraftLength:
         best = grid[:, pick]
         self._cache = (key, behind, best, bool(best.any()), self.num_choices)
         if self.trace is not None:
-            self._record(key, best, rates, pick, cost[pick], context, behind)
+            self._record(key, best, rates, pick, cost[pick], context, behind, weights)
         return best
 
     def _record(
@@ -218,11 +218,13 @@ class AdaptiveDraftLength:
         ms: float,
         context: int,
         behind: list[bool],
+        weights: list[float] | None = None,
     ) -> None:
         """One trace entry: the choice (best [P], the ks of the groups present; column pick of the
         grid) and what it was made from (rates [N]: modelled tokens per ms of every choice, column 0
         the plain step; ms: the choice's modelled time; the groups whose draft was behind and the
-        learned switch cost; the learned overheads by kmax, the acceptance estimates)."""
+        learned switch cost; the learned overheads by kmax, the acceptance estimates; the drain
+        weights of the groups present, or None when every row counted alike)."""
         assert self.trace is not None
         present = [g for g, c in enumerate(counts) if c]
         self.trace.append({
@@ -238,6 +240,7 @@ class AdaptiveDraftLength:
             "switch_ms": round(self.costs.switch_ms(), 4),
             "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
             "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
+            "weights": None if weights is None else {GROUPS[g]: round(weights[g], 4) for g in present},
         })  # fmt: skip
 
     def evaluate(
