@@ -68,17 +68,29 @@ def test_gemv_rejects_bad_shapes():
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 100), (64, 512), (5, 1500), (130, 1024), (37, 2100)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 100), (64, 512), (5, 1500), (130, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_interp_gemv_matches_linear(dtype, m, n, k, bias):
-    # n not a multiple of BLOCK_N (37, 5, 130), K under, at and past BLOCK_K, uneven K (100, 1500);
-    # (37, 2100): few outputs over long rows, gemv_config's 1024-wide K tiles at 1-2 rows
+    # n not a multiple of BLOCK_N (37, 5, 130), K under, at and past BLOCK_K, uneven K (100, 1500)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
     _check(gemv(x, w, b), ref, k)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2])
+def test_interp_gemv_few_outputs_over_long_rows(dtype, m):
+    # gemv_config's 1024-wide K tiles (n <= SMALL_N, k >= 2048 at 1-2 rows), K not a multiple of them
+    assert gemv_triton.gemv_config(m, 37, 2100)[1] == 1024
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2100, generator=g).to(dtype)
+    w = (torch.randn(37, 2100, generator=g) / 2100**0.5).to(dtype)
+    b = torch.randn(37, generator=g).to(dtype)
+    _check(gemv(x, w, b), F.linear(x.float(), w.float(), b.float()).to(dtype), 2100)
 
 
 @interp
