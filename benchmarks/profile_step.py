@@ -38,11 +38,14 @@ Writes JSON (--out) and prints a short table last.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +93,86 @@ def _time_phases(engine, phases, sums: dict[str, float]) -> None:
         _wrap(obj, attr, name, sums)
 
 
+# Device marks (--device-phases): CUDA events recorded before and after each of these calls, so the
+# device time between two marks is what the device did between them (the host keeps ahead at batch 1).
+DEVICE_MARKS = (
+    ("speculator.proposer.runner.execute_model", "draft_forward"),
+    ("speculator.proposer._sample", "draft_sample"), ("speculator._build_verify_batch", "pack"),
+    ("speculator.target_runner.execute_model", "verify_forward"), ("speculator._verify", "accept"),
+)  # fmt: skip
+
+
+def _mark(obj: object, attr: str, name: str, marks: list[tuple[str, torch.cuda.Event]]) -> Callable[[], None]:
+    """Replace obj.attr by a wrapper that records a CUDA event before ("name<") and after ("name>");
+    returns what puts the original back."""
+    fn = getattr(obj, attr)
+
+    def wrapper(*args, **kwargs):
+        marks.append((name + "<", _event()))
+        out = fn(*args, **kwargs)
+        marks.append((name + ">", _event()))
+        return out
+
+    setattr(obj, attr, wrapper)
+    return lambda: setattr(obj, attr, fn)
+
+
+def _event() -> torch.cuda.Event:
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def device_phases(engine, steps: int) -> dict[str, float]:
+    """Median device ms per step between consecutive marks, keyed "a|b" (a draft forward's own time is
+    "draft_forward<|draft_forward>"; "x>|y<" is eager work, or an idle device, between two calls)."""
+    marks: list[tuple[str, torch.cuda.Event]] = []
+    restore = []
+    for path, name in DEVICE_MARKS:
+        *parents, attr = path.split(".")
+        obj = engine
+        for part in parents:
+            obj = getattr(obj, part)
+        restore.append(_mark(obj, attr, name, marks))
+    per_step = []
+    for _ in range(steps):
+        marks.clear()
+        marks.append(("step<", _event()))
+        engine.step(finished_only=True)
+        marks.append(("step>", _event()))
+        torch.cuda.synchronize()
+        sums: dict[str, float] = defaultdict(float)
+        seen: dict[str, int] = defaultdict(int)
+        for (a, ea), (b, eb) in zip(marks, marks[1:]):
+            key = f"{a}|{b}"
+            seen[key] += 1
+            if key == "draft_forward<|draft_forward>" and seen[key] == 1:
+                key = "draft_forward<|draft_forward> (first)"  # the catch-up forward
+            sums[key] += ea.elapsed_time(eb)
+        sums["step"] = marks[0][1].elapsed_time(marks[-1][1])
+        per_step.append(sums)
+    for undo in restore:  # the marks' own host time stays out of what runs after
+        undo()
+    keys = sorted(
+        {k for s in per_step for k in s}, key=lambda k: -statistics.median(s.get(k, 0.0) for s in per_step)
+    )
+    return {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
+
+
+def profile_host(engine, steps: int, top: int = 25) -> dict[str, float]:
+    """The host functions with the most own time under cProfile, ms per step ("file:line function")."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step(finished_only=True)
+    prof.disable()
+    stats = pstats.Stats(
+        prof
+    ).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {f"{Path(f).name}:{line} {name}": own * 1e3 / steps for (f, line, name), (_, _, own, _, _) in rows}
+
+
 def start_cycles(engine, k: int, cycle: int) -> None:
     """--switch: a forced policy whose choice n drafts k tokens per row when n is a multiple of cycle,
     else none; steps run until the next one makes choice 1, which starts a cycle (the prefill step
@@ -113,6 +196,10 @@ def main() -> None:
     ap.add_argument("--switch", type=int, default=0,
                     help="(--spec) cycles of this many plain steps and one drafting step")  # fmt: skip
     ap.add_argument("--engine-args", default="{}", help="extra LLM(...) keyword arguments as JSON")
+    ap.add_argument("--device-phases", action="store_true",
+                    help="(CUDA, --spec) time the device between the step's calls (CUDA events)")  # fmt: skip
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also time the steps under cProfile (host functions, own ms)")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.switch and not args.spec:
@@ -208,6 +295,14 @@ def main() -> None:
         )  # fmt: skip
         start_cycles(engine, args.spec, cycle)  # back to cycles for the device profile
 
+    marks = None
+    if args.device_phases and device.type == "cuda" and args.spec and not args.switch:
+        marks = device_phases(engine, args.steps)
+
+    host_profile = None
+    if args.host_profile and not args.switch:
+        host_profile = profile_host(engine, args.steps)
+
     device_stats = None
     if device.type == "cuda":
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -240,8 +335,9 @@ def main() -> None:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         shape="small" if args.small else "Qwen3-8B", batch=args.batch, prompt_len=args.prompt_len,
         spec_k=args.spec, spec_rate=args.spec_rate if args.spec else None, steps=args.steps,
-        floor_ms=floor_ms, phases_ms=phases, device_profile=device_stats, switch_ms=switch,
-        profile_unit="cycle" if args.switch else "step",
+        floor_ms=floor_ms, phases_ms=phases, device_phases_ms=marks, host_profile_ms=host_profile,
+        device_profile=device_stats,
+        switch_ms=switch, profile_unit="cycle" if args.switch else "step",
     )  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -254,6 +350,15 @@ def main() -> None:
         print(f"  plain step {switch['plain_step']:.3f}  switch step {switch['switch_step']:.3f}  "
               f"steady step {switch['steady_step']:.3f}  switch extra {switch['switch_extra']:.3f}  "
               f"catch-up tokens {switch['catch_up_tokens']:.0f}")  # fmt: skip
+    if host_profile:
+        print(
+            "  host functions, own ms per step: " + "  ".join(f"{k} {v:.3f}" for k, v in host_profile.items())
+        )
+    if marks:
+        print(
+            "  device ms between marks (median per step): "
+            + "  ".join(f"{k} {v:.3f}" for k, v in marks.items())
+        )
     if device_stats:
         d = device_stats
         print(f"  profiled: wall {d['wall_ms_per_step']:.3f}  device busy {d['busy_ms_per_step']:.3f}  "

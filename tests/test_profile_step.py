@@ -52,6 +52,45 @@ def test_profile_step_smoke(tmp_path, spec):
     assert phases["step_mean"] >= phases["step_min"]  # total wall time of the steps / steps
 
 
+def test_profile_step_host_profile(tmp_path):
+    """--host-profile: the host functions with the most own time, per step, the step's own
+    functions among them."""
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--steps", "3",
+           "--warmup", "2", "--spec", "2", "--host-profile", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    host = result["host_profile_ms"]
+    assert 0 < len(host) <= 25 and result["device_phases_ms"] is None
+    assert list(host.values()) == sorted(host.values(), reverse=True) and min(host.values()) >= 0
+    # own times of distinct functions: together no more than the steps took
+    assert sum(host.values()) <= result["phases_ms"]["step_max"] * 2
+    assert any(name.startswith("attention_torch.py:") for name in host)  # the eager forwards' attention
+    assert "host functions, own ms per step:" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_profile_step_device_phases(tmp_path):
+    """--device-phases: device ms between the step's marks; the draft's forwards, the verify and
+    the gaps between them add up to the step (the marks tile it)."""
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--steps", "5", "--warmup", "3",
+           "--spec", "3", "--device-phases", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    marks = json.loads(out.read_text())["device_phases_ms"]
+    for key in ("verify_forward<|verify_forward>", "draft_forward<|draft_forward> (first)",
+                "draft_forward<|draft_forward>", "accept<|accept>", "step"):  # fmt: skip
+        assert marks[key] > 0, (key, marks)
+    parts = sum(v for k, v in marks.items() if k != "step")
+    # medians per key do not add up exactly to the median step; each key is within a step
+    assert (
+        parts == pytest.approx(marks["step"], rel=0.25)
+        and max(v for k, v in marks.items() if k != "step") < marks["step"]
+    )
+
+
 def test_profile_step_switch(tmp_path):
     """--switch: cycles of plain steps and one drafting step; the switch step catches the draft up
     over every row's plain-step tokens."""
