@@ -70,6 +70,27 @@ def test_profile_step_host_profile(tmp_path):
     assert "host functions, own ms per step:" in proc.stdout
 
 
+def test_device_marks_are_removed_after_their_run():
+    """_mark's undo puts the original method back, so the marks' own host time (CUDA events) stays
+    out of the host profile and the device profile that run after them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Runner:
+        def execute_model(self) -> str:
+            return "ran"
+
+    runner = Runner()
+    original = runner.execute_model
+    undo = profile_step._mark(runner, "execute_model", "draft_forward", [])
+    assert runner.execute_model != original
+    undo()
+    assert runner.execute_model == original and runner.execute_model() == "ran"
+
+
 @pytest.mark.gpu
 def test_gpu_profile_step_device_phases(tmp_path):
     """--device-phases: device ms between the step's marks; the draft's forwards, the verify and
