@@ -444,8 +444,8 @@ def test_adaptive_plain_steps_run_ahead_with_async_scheduling(caplog):
     assert len(launches) > 3 and hist[0] > 0 and hist[2] > 0 and engine._in_flight is None
     # every row counted with k drafts did draft k: the step ran as planned, in flight or not
     assert m.total.num_draft_tokens == sum(k * n for k, n in enumerate(hist))
-    with pytest.raises(ValueError, match="async_scheduling=True is not supported"):
-        LLM(target, device="cpu", async_scheduling=True, speculative_config={**cfg, "adaptive_k": False})
+    fixed = LLM(target, device="cpu", async_scheduling=True, speculative_config={**cfg, "adaptive_k": False})
+    assert not fixed.llm_engine.async_scheduling  # fixed k: its steps speculate, none is left in flight
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

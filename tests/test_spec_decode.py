@@ -147,6 +147,65 @@ def test_lossless_greedy_matches_plain_decoding(name, policy, eos_target, draft)
     _assert_blocks_free(spec)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["draft", "draft_relaxed_ratio1_topk1"])
+def test_lossless_greedy_with_the_first_draft_forward_run_ahead(name, policy, eos_target, draft):
+    """async_scheduling: each step whose rows all drafted runs the next step's first draft forward
+    before it commits; the next step takes those logits when it feeds the same rows the same tokens
+    (and runs its own otherwise: rows that stop, join, draft nothing or are preempted). Greedy
+    output stays plain decoding's."""
+    prompts, params = _mixed_batch()
+    kv = 9 * 2 * (2 * 2 * 16 * 2 * 32 * 4)  # 9 blocks of target + draft: forces preemption
+    plain = LLM(eos_target, device="cpu", kv_cache_memory=kv // 2, max_num_batched_tokens=24)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    cfg = {**_with_policy(SPEC_CONFIGS[name], policy), "model": str(draft)}
+    spec = LLM(
+        eos_target, device="cpu", kv_cache_memory=kv, max_num_batched_tokens=24, speculative_config=cfg,
+        async_scheduling=True,
+    )  # fmt: skip
+    _apply_policy(spec, policy)
+    assert spec.llm_engine.speculator.run_ahead
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    assert spec.llm_engine.num_preemptions > 0
+    proposer = spec.llm_engine.speculator.proposer
+    assert proposer.num_used_ahead <= proposer.num_run_ahead
+    # the adaptive chooser drafts for few steps on this pair (for every row in none of them); the
+    # forced one drafts with the adaptive engine's machinery (plain steps in flight among them)
+    assert policy == "adaptive" or proposer.num_used_ahead > 0
+    if policy == "fixed":  # most steps after the first drafting one use the forward run ahead
+        assert proposer.num_used_ahead >= spec.last_spec_metrics.total.num_drafts // 4
+    _assert_blocks_free(spec)
+
+
+def test_run_ahead_forward_serves_only_the_same_forward(target):
+    """ForwardAhead.serves: the same sequences, start positions, tokens and KV blocks, every row
+    wanting logits; anything else runs its own forward 1."""
+    from thinkspec.spec_decode.draft_model import ForwardAhead
+
+    llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K})
+    engine = llm.llm_engine
+    for rid, prompt in (("r", [72, 105, 33, 40, 41]), ("s", [65, 66, 67])):
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20), rid)
+    engine.step()
+    seq, twin = engine.scheduler.running
+    bs = engine.speculator.proposer.runner.block_size
+    start = seq.num_tokens - 2
+    tokens = seq.token_ids[start:]
+    blocks = seq.block_table[start // bs : (seq.num_tokens - 1) // bs + 1]
+    ahead = ForwardAhead([seq], [start], [list(tokens)], [list(blocks)], torch.zeros(1, 4))
+    assert ahead.serves([seq], [2], [start], [1], bs)
+    assert not ahead.serves([seq], [2], [start], [0], bs)  # the row drafts nothing: no logits wanted
+    assert not ahead.serves([seq], [1], [start + 1], [1], bs)  # another start
+    assert not ahead.serves([seq, seq], [2, 2], [start, start], [1, 1], bs)
+    other = ForwardAhead([seq], [start], [[tokens[0], tokens[1] + 1]], [list(blocks)], torch.zeros(1, 4))
+    assert not other.serves([seq], [2], [start], [1], bs)  # other tokens
+    moved = ForwardAhead([seq], [start], [list(tokens)], [[b + 1 for b in blocks]], torch.zeros(1, 4))
+    assert not moved.serves([seq], [2], [start], [1], bs)  # the positions live in other blocks now
+    assert not ahead.serves([twin], [2], [start], [1], bs)  # another sequence object
+
+
 def test_self_draft_accepts_everything(target):
     llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K})
     sp = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
@@ -301,6 +360,30 @@ def test_answer_after_relaxed_thinking_equals_strict_continuation(target, draft)
         assert cont.outputs[0].token_ids == ids[cut:]
         checked += 1
     assert checked >= 2
+
+
+@pytest.mark.parametrize("mode", ["seeded_sampling", "relaxed_greedy"])
+def test_first_draft_forward_run_ahead_changes_no_token(mode, target, draft):
+    """The forward run ahead feeds what the step's own forward 1 would (same tokens, positions, K/V),
+    so seeded sampling (draft noise keyed by position) and relaxed acceptance emit the same tokens
+    with async_scheduling on and off."""
+    cfg = {"model": str(draft), "num_speculative_tokens": K}
+    prompts = [[72 + i, 105, 33 + i, THINK_ID] for i in range(5)]
+    if mode == "seeded_sampling":
+        params = [
+            SamplingParams(temperature=1.0, top_k=20, max_tokens=30, ignore_eos=True, seed=i)
+            for i in range(5)
+        ]
+    else:
+        cfg.update(reasoning_parser="qwen3", **RELAXED)
+        params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 5
+    outs = {}
+    for ahead in (False, True):
+        llm = LLM(target, device="cpu", speculative_config=cfg, async_scheduling=ahead)
+        outs[ahead] = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        proposer = llm.llm_engine.speculator.proposer
+        assert (proposer.num_used_ahead > 0) == ahead
+    assert outs[True] == outs[False]
 
 
 def _relaxed_llm(target: Path, draft: Path, policy: str) -> LLM:
@@ -538,18 +621,25 @@ def _first_near_tie(path: Path, prompt: list[int], output: list[int], margin: fl
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "draft_run_ahead"])
 def test_lossless_greedy_on_cuda(dtype, method, target, draft):
+    """draft_run_ahead: async_scheduling=True, each step's first draft forward for the next step
+    runs from the CUDA graphs before the step commits (its logits copied out of the graph's buffer)."""
     prompts, _ = _mixed_batch()
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLM(target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3)
     expected = _tokens(plain.generate(prompts, sp, use_tqdm=False))
     cfg = dict(SPEC_CONFIGS[method if method == "ngram" else "draft"])
-    if method == "draft":
+    if method != "ngram":
         cfg["model"] = str(draft)
-    spec = LLM(target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, speculative_config=cfg)
+    spec = LLM(
+        target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, speculative_config=cfg,
+        async_scheduling=method == "draft_run_ahead" or None,
+    )  # fmt: skip
     got = _tokens(spec.generate(prompts, sp, use_tqdm=False))
     assert spec.last_spec_metrics.total.num_accepted_tokens > 0
+    if method == "draft_run_ahead":
+        assert spec.llm_engine.speculator.proposer.num_used_ahead > 0
     if dtype == "float32":
         assert got == expected
         return

@@ -120,8 +120,9 @@ class EngineArgs:
         None,
         "launch each plain decode step before the previous step's tokens reach the host, which then "
         "commits them while the device works; outputs are unchanged (default: on for CUDA without "
-        "speculative decoding or with adaptive_k, whose plain steps run ahead; off otherwise; on with "
-        "fixed-k speculative decoding is refused)",
+        "speculative decoding or with adaptive_k, whose plain steps run ahead). True with a draft model "
+        "also runs each speculative step's first draft forward for the next step before committing the "
+        "step (off unless True)",
     )
 
     # vLLM's common constructor arguments: the supported values work, others are refused.
@@ -226,15 +227,6 @@ class EngineArgs:
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
-        if (
-            self.async_scheduling
-            and self.speculative_config is not None
-            and not self.speculative_config.adaptive_k
-        ):
-            raise ValueError(
-                "async_scheduling=True is not supported with speculative decoding (leave it None); with "
-                "adaptive_k its plain steps may run ahead"
-            )
         _check_vllm_args(self)
 
     @property

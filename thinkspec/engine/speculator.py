@@ -44,7 +44,7 @@ from thinkspec.spec_decode.draft_length import (
     drain_weights,
     group_of,
 )
-from thinkspec.spec_decode.draft_model import DraftModelProposer, draft_behind
+from thinkspec.spec_decode.draft_model import CATCH_UP_WIDTH, DraftModelProposer, draft_behind
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
 from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput, Proposer
@@ -151,6 +151,10 @@ class _Plan:
 
 
 _MASK64 = (1 << 64) - 1
+# Rows up to which a step runs the next one's first draft forward ahead: the host's work between
+# steps weighs most at small batches, and the logits it keeps ([rows, vocab] float32, 19 MiB at 32
+# rows of Qwen3's vocabulary) stay outside the memory the KV pool was sized around.
+RUN_AHEAD_MAX_ROWS = 32
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -235,6 +239,9 @@ class Speculator:
             self.proposer = NgramProposer(self.k, *lookup, self.device)
         self.has_draft_model = draft_runner is not None
         self.draft_runner = draft_runner
+        # Run the next step's first draft forward before committing this step's tokens (run_ahead);
+        # the engine sets it from async_scheduling.
+        self.run_ahead = False
         # adaptive_k: chooses each step's draft lengths; None drafts k every step.
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
         # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
@@ -439,6 +446,8 @@ class Speculator:
         if choice is not None:
             self.learn()  # while the device runs this step's forwards
         host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed)
+        if self.run_ahead and result is not None and len(spec_index) == len(seqs) and prompt_rows is None:
+            self._run_ahead(seqs, proposal, host)
         if choice is not None:
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
@@ -453,6 +462,35 @@ class Speculator:
         return outcomes
 
     # ---- stages --------------------------------------------------------------------------------
+
+    def _run_ahead(self, seqs: list[Sequence], proposal: Proposal, host: HostPack) -> None:
+        """A step whose rows all drafted: run the next step's forward 1 for them now, from the tokens
+        on the host, so that the device works while the host commits and schedules (see
+        DraftModelProposer.run_ahead). Only when each row will still draft next step, as far as the
+        host can tell now (it has room for a draft and a bonus token, its draft K/V stays within
+        what the graphs' forward 1 covers, its KV blocks hold the positions); a request that stops on
+        a token or a step that drafts otherwise just runs its own forward 1."""
+        proposer = self.proposer
+        if not isinstance(proposer, DraftModelProposer) or proposal.draft_computed is None:
+            return
+        if len(seqs) > RUN_AHEAD_MAX_ROWS:
+            return
+        block_size = proposer.runner.block_size
+        starts, tokens = [], []
+        for b, seq in enumerate(seqs):
+            a = int(host.num_accepted[b])
+            if proposal.num_drafts[b] == 0 or self.tokens_left(seq) - (a + 1) < 2:
+                return
+            num_tokens, end = seq.num_tokens, seq.num_tokens + a + 1  # the sequence after the commit
+            start = min(proposal.draft_computed[b], seq.num_computed_tokens + 1 + a)  # as _outcomes
+            if end - start > CATCH_UP_WIDTH or len(seq.block_table) * block_size < end:
+                return
+            new = host.tokens[b, : a + 1].tolist()
+            starts.append(start)
+            tokens.append(
+                [seq.token_ids[p] if p < num_tokens else new[p - num_tokens] for p in range(start, end)]
+            )
+        proposer.run_ahead(seqs, starts, tokens)
 
     def _choose(
         self, seqs: list[Sequence], decodes: list[int]

@@ -18,6 +18,7 @@ One round for the decode sequences S of a step, each with n_b <= k drafts allowe
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +50,35 @@ def draft_behind(seq: Sequence) -> bool:
     return draft_lag(seq) > CATCH_UP_WIDTH
 
 
+@dataclass(slots=True)
+class ForwardAhead:
+    """Forward 1 of the next step, run before this step's tokens are committed (run_ahead): the rows
+    it fed, and the logits of their last positions."""
+
+    seqs: list[Sequence]
+    starts: list[int]  # [R] first position fed
+    tokens: list[list[int]]  # [R][n] the tokens fed, at starts[r] ... starts[r] + n - 1
+    blocks: list[list[int]]  # [R] the block ids those positions were written to
+    logits: torch.Tensor  # [R, V] float32, a copy (the graph's output buffer is reused)
+
+    def serves(
+        self, seqs: Seq[Sequence], num: Seq[int], starts: Seq[int], want: Seq[int], block_size: int
+    ) -> bool:
+        """Whether forward 1 as _catch_up would run it (every row wanting its logits) is this one:
+        the same sequences, positions, tokens and KV blocks."""
+        if len(seqs) != len(self.seqs) or list(starts) != self.starts or not all(want):
+            return False
+        for seq, ahead, n, start, tokens, blocks in zip(
+            seqs, self.seqs, num, starts, self.tokens, self.blocks
+        ):
+            end = start + n
+            if seq is not ahead or n != len(tokens) or seq.token_ids[start:end] != tokens:
+                return False
+            if seq.block_table[start // block_size : (end - 1) // block_size + 1] != blocks:
+                return False
+        return True
+
+
 class DraftModelProposer:
     """Proposes with a small model run by its own ModelRunner (the only thing it calls)."""
 
@@ -58,6 +88,25 @@ class DraftModelProposer:
         self.k = k
         self.vocab_size = vocab_size
         self.device = runner.device
+        self._ahead: ForwardAhead | None = None  # see run_ahead
+        self.num_run_ahead = 0  # forwards run ahead, and of them those a step used
+        self.num_used_ahead = 0
+
+    def run_ahead(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]]) -> None:
+        """Run the next step's forward 1 now, for decode rows whose next tokens (tokens[r], fed at
+        starts[r] ...) the host knows before it commits them: the device works through it while the
+        host commits this step and schedules the next. That step's forward 1 takes these logits if it
+        is the same forward (ForwardAhead.serves), else runs as usual; either way the K/V written here
+        is that of committed tokens at their positions, which a later forward would write the same."""
+        bs = self.runner.block_size
+        blocks = [
+            s.block_table[p // bs : (p + len(t) - 1) // bs + 1] for s, p, t in zip(seqs, starts, tokens)
+        ]
+        logits = self.runner.execute_model(
+            seqs, [len(t) for t in tokens], [1] * len(seqs), input_token_ids=tokens, start_positions=starts
+        )
+        self._ahead = ForwardAhead(list(seqs), list(starts), tokens, blocks, logits.clone())
+        self.num_run_ahead += 1
 
     def propose(self, batch: ProposalInput) -> Proposal:
         """Run the draft over this step's batch and propose max_drafts[b] tokens for each speculating
@@ -109,6 +158,7 @@ class DraftModelProposer:
         target's, decodes catch up through their last token, those that draft nothing only when at
         most CATCH_UP_WIDTH behind); logits [R, V] float32 of the speculating rows that want drafts,
         in spec order (None when nothing ran). Updates computed in place."""
+        ahead, self._ahead = self._ahead, None
         spec_of = {i: b for b, i in enumerate(spec_index)}
         f_seqs, f_num, f_start, f_logits = [], [], [], []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
@@ -125,6 +175,9 @@ class DraftModelProposer:
             computed[i] = end
         if not f_seqs:
             return None
+        if ahead is not None and ahead.serves(f_seqs, f_num, f_start, f_logits, self.runner.block_size):
+            self.num_used_ahead += 1
+            return ahead.logits
         return self.runner.execute_model(f_seqs, f_num, f_logits, start_positions=f_start)
 
     def _sample(
