@@ -202,6 +202,7 @@ def build_engines(args, tmp: Path, max_batch: int) -> dict[str, LLM]:
             # one forward prefills every prompt: all first tokens come together (see timed_run)
             max_num_batched_tokens=max(2048, max_batch * args.prompt_len),
         )  # fmt: skip
+    common.update(json.loads(args.engine_args))  # e.g. '{"async_scheduling": true}'
     engines = {"plain": LLM(tdir, **common)}
     engines["spec"] = LLM(tdir, speculative_config=spec_config(args, ddir, args.k_max, True), **common)
     if args.check_k:
@@ -496,6 +497,8 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
         result["cost_model"] = cost_model_table(choosers[primary(args)].costs, max(batches))
         switch = choosers[primary(args)].costs.switch
         result["switch_ms"] = None if switch != switch else round(switch, 3)  # learned; NaN: none seen
+        proposer = engines["spec"].llm_engine.speculator.proposer  # async_scheduling=True: forwards run ahead
+        result["run_ahead"] = {"run": proposer.num_run_ahead, "used": proposer.num_used_ahead}
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
@@ -532,6 +535,9 @@ def parse_args() -> argparse.Namespace:
         help="bytes per engine (default: 16 GiB on CUDA, the engine's default on CPU)",
     )  # fmt: skip
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--engine-args", default="{}", help="more LLM(...) keyword arguments for every engine, as JSON"
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--toy", action="store_true", help="the bundled toy pair, real acceptance, relaxed")
     p.add_argument("--toy-level", choices=sorted(LEVELS), default="easy", help="toy problems (--toy)")
@@ -560,6 +566,7 @@ def describe(args, engines: dict[str, LLM], device: torch.device) -> dict:
         "dtype": str(engines["plain"].llm_engine.model_info.dtype).removeprefix("torch."),
         "k_max": args.k_max, "repeats": args.repeats, "rows": [], "summary": [],
         "acceptance_seed": None if args.toy or args.acceptance_seed < 0 else args.acceptance_seed,
+        "engine_args": json.loads(args.engine_args),
     }  # fmt: skip
     if args.toy:
         ratio, top_k = args.relax

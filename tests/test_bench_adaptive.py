@@ -22,12 +22,15 @@ def test_bench_adaptive_toy_smoke(tmp_path):
     out = tmp_path / "adaptive.json"
     cmd = [sys.executable, "benchmarks/bench_adaptive.py", "--toy", "--device", "cpu", "--batch-sizes", "1,2",
            "--repeats", "2", "--fixed-ks", "1,2", "--k-max", str(K_MAX), "--max-tokens", "16",
-           "--out", str(out)]  # fmt: skip
+           "--engine-args", '{"async_scheduling": true}', "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "criterion (toy pair, relaxed): ad/best >= 1.0" in proc.stdout
     result = json.loads(out.read_text())
     assert result["repeats_done"] == 2 and result["k_max"] == K_MAX
+    # every engine got the extra argument: the speculating one ran first draft forwards ahead
+    assert result["engine_args"] == {"async_scheduling": True}
+    assert 0 < result["run_ahead"]["used"] <= result["run_ahead"]["run"]
     toy = result["toy"]
     assert (toy["level"], toy["relax_ratio"], toy["relax_top_k"], toy["max_tokens"]) == ("easy", 0.3, 8, 16)
     rows = {(r["cell"], r["batch"]): r for r in result["rows"]}
