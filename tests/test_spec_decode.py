@@ -179,6 +179,67 @@ def test_lossless_greedy_with_the_first_draft_forward_run_ahead(name, policy, eo
     _assert_blocks_free(spec)
 
 
+def test_run_ahead_leaves_out_the_rows_a_step_finishes(target):
+    """A self-draft accepts every draft, so each step after the prefill speculates for every row; a
+    row that the step finishes (by length, by a stop token id) is left out of the forward run ahead,
+    and the others' forward serves the next step; a row left with one token (no draft next step)
+    stops the step from running ahead. Every other step but the prefill and the last runs ahead, and
+    every forward run ahead is used."""
+    plain = LLM(target, device="cpu")
+    prompts = [[72, 105, 33], [70, 71, 72], [97, 98], [100, 101]]
+    probe = plain.generate(
+        [prompts[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
+    out = probe[0].outputs[0].token_ids
+    i = next(j for j in range(8, 40) if out[j] not in out[:j])  # B stops there, mid-run
+    params = [
+        SamplingParams(temperature=0, max_tokens=1 + 3 * (K + 1), ignore_eos=True),  # by length, step 4
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop_token_ids=[out[i]]),
+        SamplingParams(temperature=0, max_tokens=1 + 8 * (K + 1), ignore_eos=True),  # the last
+        # after step 3 one token left: step 3 runs nothing ahead (step 4 feeds it without logits),
+        # step 4 drafts nothing for it and runs nothing ahead either
+        SamplingParams(temperature=0, max_tokens=2 + 2 * (K + 1), ignore_eos=True),
+    ]
+    # one KV block holds every sequence: a step never waits for a block its bonus token's position
+    # needs (which runs nothing ahead, the scheduler allocating it only at the next step)
+    llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K},
+              async_scheduling=True, block_size=128)  # fmt: skip
+    engine = llm.llm_engine
+    for n, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request({"prompt_token_ids": prompt}, sp, str(n))
+    steps, finished = 0, {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = (steps, o.outputs[0].finish_reason, o.outputs[0].token_ids)
+    assert finished["0"][:2] == (4, "length") and finished["1"][1] == "stop" and finished["2"][0] == steps
+    assert finished["1"][2] == out[: i + 1] and finished["1"][0] < steps
+    proposer = engine.speculator.proposer
+    assert finished["3"][:2] == (4, "length")
+    assert proposer.num_run_ahead == steps - 4 and proposer.num_used_ahead == proposer.num_run_ahead
+
+
+def test_run_ahead_predicts_stops_by_token_id_as_commit_does():
+    """_stops: a stop token id or EOS stops a request once it has min_tokens (counting the token),
+    EOS not with ignore_eos; the first such token among those committed decides."""
+    from types import SimpleNamespace
+
+    from thinkspec.engine.speculator import _stops
+
+    def seq(num_output: int, **params) -> SimpleNamespace:
+        sp = SamplingParams(temperature=0, max_tokens=100, **params)
+        return SimpleNamespace(sampling_params=sp, eos_token_ids=frozenset({7}), num_output_tokens=num_output)
+
+    assert _stops(seq(3, stop_token_ids=[9]), [1, 9, 2])
+    assert not _stops(seq(3, stop_token_ids=[9]), [1, 2])
+    assert _stops(seq(3), [1, 7])  # EOS
+    assert not _stops(seq(3, ignore_eos=True), [1, 7])
+    assert not _stops(seq(3, min_tokens=6), [1, 7])  # EOS as output token 5 of at least 6: kept
+    assert _stops(seq(3, min_tokens=6), [1, 2, 7])  # as output token 6
+    assert _stops(seq(3, min_tokens=5, stop_token_ids=[9]), [1, 9])
+
+
 def test_run_ahead_forward_serves_only_the_same_forward(target):
     """ForwardAhead.serves: the same sequences, start positions, tokens and KV blocks, every row
     wanting logits; anything else runs its own forward 1."""

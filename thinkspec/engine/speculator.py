@@ -196,6 +196,16 @@ def _decode_rows(seqs: list[Sequence], num_new: list[int], sample_mask: list[boo
     ]
 
 
+def _stops(seq: Sequence, new: list[int]) -> bool:
+    """Whether committing new tokens stops seq on a token id (a stop token, or EOS) past min_tokens,
+    as commit_token does; stop strings are not looked at."""
+    params = seq.sampling_params
+    stops = params.stop_token_ids or ()
+    eos = () if params.ignore_eos else seq.eos_token_ids
+    first = seq.num_output_tokens + 1  # output tokens once new[0] is appended
+    return any(first + j >= params.min_tokens and (t in stops or t in eos) for j, t in enumerate(new))
+
+
 def _budget(params) -> int:
     """thinking_token_budget as an int for the device, -1 = none."""
     return -1 if params.thinking_token_budget is None else min(params.thinking_token_budget, 2**53)
@@ -464,33 +474,42 @@ class Speculator:
     # ---- stages --------------------------------------------------------------------------------
 
     def _run_ahead(self, seqs: list[Sequence], proposal: Proposal, host: HostPack) -> None:
-        """A step whose rows all drafted: run the next step's forward 1 for them now, from the tokens
-        on the host, so that the device works while the host commits and schedules (see
-        DraftModelProposer.run_ahead). Only when each row will still draft next step, as far as the
-        host can tell now (it has room for a draft and a bonus token, its draft K/V stays within
-        what the graphs' forward 1 covers, its KV blocks hold the positions); a request that stops on
-        a token or a step that drafts otherwise just runs its own forward 1."""
+        """A step whose rows all drafted: run the next step's forward 1 now, from the tokens on the
+        host, so that the device works while the host commits and schedules (see
+        DraftModelProposer.run_ahead). It feeds the rows that will still draft next step, as far as
+        the host can tell now; rows this step finishes (by length, a stop token id or EOS) are left
+        out, as the next step leaves them out. A row that will not draft next step as it drafted this
+        one (no draft this step, room for no draft next step, its KV blocks not yet holding the
+        positions, a draft K/V more than the graphs' forward 1 covers behind) and the step runs
+        nothing ahead; a request that stops on a string, or a step that drafts otherwise, just runs
+        its own forward 1."""
         proposer = self.proposer
         if not isinstance(proposer, DraftModelProposer) or proposal.draft_computed is None:
             return
         if len(seqs) > RUN_AHEAD_MAX_ROWS:
             return
         block_size = proposer.runner.block_size
-        starts, tokens = [], []
+        rows, starts, tokens = [], [], []
         for b, seq in enumerate(seqs):
-            a = int(host.num_accepted[b])
-            if proposal.num_drafts[b] == 0 or self.tokens_left(seq) - (a + 1) < 2:
+            if proposal.num_drafts[b] == 0:
                 return
-            num_tokens, end = seq.num_tokens, seq.num_tokens + a + 1  # the sequence after the commit
-            start = min(proposal.draft_computed[b], seq.num_computed_tokens + 1 + a)  # as _outcomes
+            new = host.tokens[b, : int(host.num_accepted[b]) + 1].tolist()
+            left = self.tokens_left(seq) - len(new)
+            if left == 1:  # it stays, with no room to draft: the next step feeds it without logits
+                return
+            if left <= 0 or _stops(seq, new):  # this step finishes it: the next one leaves it out
+                continue
+            num_tokens, end = seq.num_tokens, seq.num_tokens + len(new)  # the sequence after the commit
+            start = min(proposal.draft_computed[b], seq.num_computed_tokens + len(new))  # as _outcomes
             if end - start > CATCH_UP_WIDTH or len(seq.block_table) * block_size < end:
                 return
-            new = host.tokens[b, : a + 1].tolist()
+            rows.append(seq)
             starts.append(start)
             tokens.append(
                 [seq.token_ids[p] if p < num_tokens else new[p - num_tokens] for p in range(start, end)]
             )
-        proposer.run_ahead(seqs, starts, tokens)
+        if rows:
+            proposer.run_ahead(rows, starts, tokens)
 
     def _choose(
         self, seqs: list[Sequence], decodes: list[int]
