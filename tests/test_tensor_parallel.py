@@ -94,12 +94,17 @@ def test_qwen3_tp2_draft_model_strict_and_relaxed_equal_tp1(qwen3, qwen3_draft):
     spec = {"model": str(qwen3_draft), "num_speculative_tokens": K, **RELAX}
     greedy, _ = _run(qwen3, GREEDY)
     relaxed_tp1, m1 = _run(qwen3, RELAXED, speculative_config=spec)
-    llm = LLM(str(qwen3), device="cpu", tensor_parallel_size=2, speculative_config=spec)
+    # async_scheduling: the draft's first forwards run ahead, their headers sent to the other rank too
+    llm = LLM(
+        str(qwen3), device="cpu", tensor_parallel_size=2, speculative_config=spec, async_scheduling=True
+    )
     try:
-        assert llm.llm_engine.speculator.proposer.runner.channel is not None  # the draft is split too
+        proposer = llm.llm_engine.speculator.proposer
+        assert proposer.runner.channel is not None  # the draft is split too
         assert _tokens(llm.generate(PROMPTS, STRICT, use_tqdm=False)) == greedy
         relaxed = _tokens(llm.generate(PROMPTS, RELAXED, use_tqdm=False))
         m2 = llm.last_spec_metrics
+        assert proposer.num_used_ahead > 0
     finally:
         llm.shutdown()
     assert relaxed == relaxed_tp1
