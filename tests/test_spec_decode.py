@@ -200,10 +200,10 @@ def test_run_ahead_leaves_out_the_rows_a_step_finishes(target):
         # step 4 drafts nothing for it and runs nothing ahead either
         SamplingParams(temperature=0, max_tokens=2 + 2 * (K + 1), ignore_eos=True),
     ]
-    # one KV block holds every sequence: a step never waits for a block its bonus token's position
-    # needs (which runs nothing ahead, the scheduler allocating it only at the next step)
+    # 16-token KV blocks: the bonus token's position, where the forward run ahead starts when every
+    # draft is accepted, is reserved with the step's (one slot past its window)
     llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K},
-              async_scheduling=True, block_size=128)  # fmt: skip
+              async_scheduling=True, block_size=16)  # fmt: skip
     engine = llm.llm_engine
     for n, (prompt, sp) in enumerate(zip(prompts, params)):
         engine.add_request({"prompt_token_ids": prompt}, sp, str(n))

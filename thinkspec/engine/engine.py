@@ -262,7 +262,10 @@ class LLMEngine:
         if flight is not None and not self._runs_ahead(flight):
             outputs += self._commit_in_flight(finished_only)
             flight = None
-        sched = self.scheduler.schedule(num_lookahead_tokens=spec.k if spec is not None else 0)
+        # a step run ahead writes the draft's K/V at the bonus token's position: one slot more
+        sched = self.scheduler.schedule(
+            num_lookahead_tokens=spec.k + spec.run_ahead if spec is not None else 0
+        )
         if spec is not None:  # adaptive_k: no request waits to take a finished row's place
             spec.draining = not self.scheduler.waiting
         if sched.is_empty:
