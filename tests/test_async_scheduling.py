@@ -175,16 +175,20 @@ def test_rows_that_finish_by_length_leave_without_breaking_the_overlap():
 
 
 def test_speculative_decoding_runs_its_first_draft_forward_ahead_with_async_scheduling():
-    """With fixed-k speculation async_scheduling runs each step's first draft forward ahead (the
-    speculator's run_ahead); steps are not left in flight (only adaptive_k's plain steps are). It
-    runs ahead only when asked for."""
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    assert EngineArgs("some/model", speculative_config=spec, async_scheduling=True).async_scheduling
+    """With fixed-k speculation and a draft model async_scheduling=True runs each step's first draft
+    forward ahead (the speculator's run_ahead); steps are not left in flight (only adaptive_k's plain
+    steps are). It runs ahead only when asked for, and only with a draft model to run."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineArgs("some/model", speculative_config=ngram, async_scheduling=True).async_scheduling
     path = tiny_checkpoint("qwen3", tied=False)
-    default = LLM(str(path), device="cpu", speculative_config=spec).llm_engine
+    draft = {"model": str(path), "num_speculative_tokens": 2}
+    default = LLM(str(path), device="cpu", speculative_config=draft).llm_engine
     assert not default.async_scheduling and not default.speculator.run_ahead
-    on = LLM(str(path), device="cpu", speculative_config=spec, async_scheduling=True).llm_engine
+    on = LLM(str(path), device="cpu", speculative_config=draft, async_scheduling=True).llm_engine
     assert not on.async_scheduling and on.speculator.run_ahead
+    assert not LLM(
+        str(path), device="cpu", speculative_config=ngram, async_scheduling=True
+    ).llm_engine.speculator.run_ahead
 
 
 def test_async_server_engine_streams_and_aborts_with_overlap():

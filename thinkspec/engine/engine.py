@@ -88,7 +88,7 @@ class LLMEngine:
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
         if self.speculator is not None:  # asked for: the next step's first draft forward runs ahead
-            self.speculator.run_ahead = config.async_scheduling is True
+            self.speculator.run_ahead = config.async_scheduling is True and self.speculator.has_draft_model
         self._in_flight: InFlight | None = None
         self._copies = TokenCopies(config.max_num_seqs, self.device) if self.async_scheduling else None
         info = self.model_info
