@@ -124,3 +124,16 @@ def test_skinny_stage_passes_its_args_and_prints_the_table(tmp_path):
     assert "fake run: benchmarks/bench_skinny_gemm.py --table-from" in stdout
     rc, _, summary = _run(tmp_path, "skinny", FAKE_FAIL="bench_skinny_gemm")
     assert rc != 0 and "skinny: FAILED (exit 3)" in summary.splitlines()
+
+
+def test_step_modes_reach_profile_step(tmp_path):
+    """STEP_RUNS modes: specK drafts K per step with the device phases timed; aheadK the same with
+    async_scheduling on (the first draft forward runs ahead); sync turns async scheduling off."""
+    rc, stdout, summary = _run(tmp_path, "step", STEP_RUNS="1::spec4 1::ahead4 16::sync")
+    assert rc == 0, stdout
+    lines = [line for line in stdout.splitlines() if line.startswith("fake run: benchmarks/profile_step.py")]
+    runs = list(dict.fromkeys(lines))  # each run's line is echoed and shown
+    assert len(runs) == 3, stdout
+    assert "--spec 4 --device-phases --engine-args {}" in runs[0]
+    assert '--spec 4 --device-phases --engine-args {"async_scheduling": true}' in runs[1]
+    assert '--batch 16 --engine-args {"async_scheduling": false}' in runs[2]
