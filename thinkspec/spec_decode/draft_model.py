@@ -89,6 +89,7 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
         self.device = runner.device
         self._ahead: ForwardAhead | None = None  # see run_ahead
+        self._rows = torch.arange(16, device=self.device)  # see _row_index
         self.num_run_ahead = 0  # forwards run ahead, and of them those a step used
         self.num_used_ahead = 0
 
@@ -127,7 +128,10 @@ class DraftModelProposer:
         active = [b for b in range(num_spec) if max_drafts[b] > 0]
         for j in range(max((max_drafts[b] for b in active), default=0)):
             rows = [b for b in active if max_drafts[b] > j]
-            rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            # every row drafts token j (the common case): a slice, no index tensor to build and copy
+            rows_t: slice | torch.Tensor = slice(None)
+            if len(rows) < num_spec:
+                rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
             row_seqs = [seqs[spec_index[b]] for b in rows]
             if j > 0:  # feed draft token j (made at step j-1) at position num_tokens - 1 + j
                 logits = self.runner.execute_model(
@@ -136,7 +140,7 @@ class DraftModelProposer:
                     [1] * len(rows),
                     input_token_ids=[[0]] * len(rows),
                     start_positions=[s.num_tokens - 1 + j for s in row_seqs],
-                    device_tokens=(torch.arange(len(rows), device=self.device), drafts[rows_t, j - 1]),
+                    device_tokens=(self._row_index(len(rows)), drafts[rows_t, j - 1]),
                 )
                 for b in rows:
                     computed[spec_index[b]] = seqs[spec_index[b]].num_tokens + j
@@ -145,6 +149,12 @@ class DraftModelProposer:
             if probs is not None and q is not None:
                 probs[rows_t, j] = q
         return proposal
+
+    def _row_index(self, n: int) -> torch.Tensor:
+        """arange(n) [n] int64 on the device, kept from call to call."""
+        if self._rows.numel() < n:
+            self._rows = torch.arange(max(n, 2 * self._rows.numel()), device=self.device)
+        return self._rows[:n]
 
     def _catch_up(
         self,
