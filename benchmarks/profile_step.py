@@ -83,14 +83,19 @@ PLAIN_PHASES = (
 )  # fmt: skip
 
 
+def _owner(engine, path: str) -> tuple[object, str]:
+    """(object, attribute name) of an attribute path from the engine, e.g. "speculator._verify"."""
+    *parents, attr = path.split(".")
+    obj = engine
+    for part in parents:
+        obj = getattr(obj, part)
+    return obj, attr
+
+
 def _time_phases(engine, phases, sums: dict[str, float]) -> None:
     """Wrap each phase's method (see _wrap); the sums are keyed by the phases' names."""
     for path, name in phases:
-        *parents, attr = path.split(".")
-        obj = engine
-        for part in parents:
-            obj = getattr(obj, part)
-        _wrap(obj, attr, name, sums)
+        _wrap(*_owner(engine, path), name, sums)
 
 
 # Device marks (--device-phases): CUDA events recorded before and after each of these calls, so the
@@ -129,11 +134,7 @@ def device_phases(engine, steps: int) -> dict[str, float]:
     marks: list[tuple[str, torch.cuda.Event]] = []
     restore = []
     for path, name in DEVICE_MARKS:
-        *parents, attr = path.split(".")
-        obj = engine
-        for part in parents:
-            obj = getattr(obj, part)
-        restore.append(_mark(obj, attr, name, marks))
+        restore.append(_mark(*_owner(engine, path), name, marks))
     per_step = []
     for _ in range(steps):
         marks.clear()
@@ -166,9 +167,8 @@ def profile_host(engine, steps: int, top: int = 25) -> dict[str, float]:
     for _ in range(steps):
         engine.step(finished_only=True)
     prof.disable()
-    stats = pstats.Stats(
-        prof
-    ).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+    # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return {f"{Path(f).name}:{line} {name}": own * 1e3 / steps for (f, line, name), (_, _, own, _, _) in rows}
 

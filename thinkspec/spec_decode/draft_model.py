@@ -50,6 +50,11 @@ def draft_behind(seq: Sequence) -> bool:
     return draft_lag(seq) > CATCH_UP_WIDTH
 
 
+def _blocks_fed(seq: Sequence, start: int, n: int, block_size: int) -> list[int]:
+    """The ids of seq's KV blocks that hold positions start ... start + n - 1."""
+    return seq.block_table[start // block_size : (start + n - 1) // block_size + 1]
+
+
 @dataclass(slots=True)
 class ForwardAhead:
     """Forward 1 of the next step, run before this step's tokens are committed (run_ahead): the rows
@@ -71,10 +76,9 @@ class ForwardAhead:
         for seq, ahead, n, start, tokens, blocks in zip(
             seqs, self.seqs, num, starts, self.tokens, self.blocks
         ):
-            end = start + n
-            if seq is not ahead or n != len(tokens) or seq.token_ids[start:end] != tokens:
+            if seq is not ahead or n != len(tokens) or seq.token_ids[start : start + n] != tokens:
                 return False
-            if seq.block_table[start // block_size : (end - 1) // block_size + 1] != blocks:
+            if _blocks_fed(seq, start, n, block_size) != blocks:
                 return False
         return True
 
@@ -100,9 +104,7 @@ class DraftModelProposer:
         is the same forward (ForwardAhead.serves), else runs as usual; either way the K/V written here
         is that of committed tokens at their positions, which a later forward would write the same."""
         bs = self.runner.block_size
-        blocks = [
-            s.block_table[p // bs : (p + len(t) - 1) // bs + 1] for s, p, t in zip(seqs, starts, tokens)
-        ]
+        blocks = [_blocks_fed(s, p, len(t), bs) for s, p, t in zip(seqs, starts, tokens)]
         logits = self.runner.execute_model(
             seqs, [len(t) for t in tokens], [1] * len(seqs), input_token_ids=tokens, start_positions=starts
         )
