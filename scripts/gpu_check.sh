@@ -34,9 +34,10 @@
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
 #               "batch[:max_model_len[:mode]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
 #               max_model_len when empty; mode sync = async_scheduling off, specK = speculative steps
-#               drafting K tokens per row, e.g. "64::spec3", with the device's time between the step's
-#               calls; aheadK = the same with async_scheduling on, each step running the next one's
-#               first draft forward ahead, e.g. "1::spec4 1::ahead4"; switchK = cycles of SWITCH_PLAIN (24) plain
+#               drafting K tokens per row with async_scheduling off, e.g. "64::spec3", with the device's
+#               time between the step's calls; aheadK = the same with async_scheduling on (the CUDA
+#               default), each step running the next one's first draft forward ahead, e.g.
+#               "1::spec4 1::ahead4"; switchK = cycles of SWITCH_PLAIN (24) plain
 #               steps and one step drafting K, timing the switch out of plain decoding against a
 #               steady step, e.g. "16::switch3"); STEP_ARGS go to every run
 #               (e.g. "--prompt-len 384" for a longer context)
@@ -178,13 +179,16 @@ if has step; then
     [ -n "$len" ] && args+=("\"max_model_len\": $len")
     [ "$mode" = sync ] && args+=("\"async_scheduling\": false")
     spec=()
-    [[ "$mode" == spec* ]] && spec=(--spec "${mode#spec}" --device-phases)
+    if [[ "$mode" == spec* ]]; then  # speculative steps, each running its own first draft forward
+      spec=(--spec "${mode#spec}" --device-phases)
+      args+=("\"async_scheduling\": false")
+    fi
     if [[ "$mode" == ahead* ]]; then  # speculative steps whose first draft forward runs ahead
       spec=(--spec "${mode#ahead}" --device-phases)
       args+=("\"async_scheduling\": true")
     fi
     [[ "$mode" == switch* ]] && spec=(--spec "${mode#switch}" --switch "${SWITCH_PLAIN:-24}" --steps 10 --warmup 2)
-    name="step_${bs}_${len:-short}${mode:+_$mode}"
+    name="step_${#steps[@]}_${bs}_${len:-short}${mode:+_$mode}"  # a run listed twice keeps both files
     timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" "${spec[@]}" ${STEP_ARGS:-} \
       --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21
     record "step batch $bs max_model_len ${len:-short} ${mode:-async}" "${PIPESTATUS[0]}" "${STEP_TIMEOUT:-150}"

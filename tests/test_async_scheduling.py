@@ -175,9 +175,9 @@ def test_rows_that_finish_by_length_leave_without_breaking_the_overlap():
 
 
 def test_speculative_decoding_runs_its_first_draft_forward_ahead_with_async_scheduling():
-    """With fixed-k speculation and a draft model async_scheduling=True runs each step's first draft
+    """With fixed-k speculation and a draft model async_scheduling runs each step's first draft
     forward ahead (the speculator's run_ahead); steps are not left in flight (only adaptive_k's plain
-    steps are). It runs ahead only when asked for, and only with a draft model to run."""
+    steps are). It follows async_scheduling (default: on for CUDA only), and needs a draft model."""
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     assert EngineArgs("some/model", speculative_config=ngram, async_scheduling=True).async_scheduling
     path = tiny_checkpoint("qwen3", tied=False)

@@ -127,13 +127,15 @@ def test_skinny_stage_passes_its_args_and_prints_the_table(tmp_path):
 
 
 def test_step_modes_reach_profile_step(tmp_path):
-    """STEP_RUNS modes: specK drafts K per step with the device phases timed; aheadK the same with
-    async_scheduling on (the first draft forward runs ahead); sync turns async scheduling off."""
-    rc, stdout, summary = _run(tmp_path, "step", STEP_RUNS="1::spec4 1::ahead4 16::sync")
+    """STEP_RUNS modes: specK drafts K per step with the device phases timed, async_scheduling off;
+    aheadK the same with it on (the first draft forward runs ahead); sync turns async scheduling
+    off. A run listed twice keeps both results."""
+    rc, stdout, summary = _run(tmp_path, "step", STEP_RUNS="1::spec4 1::ahead4 16::sync 1::spec4")
     assert rc == 0, stdout
     lines = [line for line in stdout.splitlines() if line.startswith("fake run: benchmarks/profile_step.py")]
     runs = list(dict.fromkeys(lines))  # each run's line is echoed and shown
-    assert len(runs) == 3, stdout
-    assert "--spec 4 --device-phases --engine-args {}" in runs[0]
+    assert len(runs) == 4, stdout
+    assert '--spec 4 --device-phases --engine-args {"async_scheduling": false}' in runs[0]
     assert '--spec 4 --device-phases --engine-args {"async_scheduling": true}' in runs[1]
     assert '--batch 16 --engine-args {"async_scheduling": false}' in runs[2]
+    assert runs[0].replace("step_0_", "step_3_") == runs[3]

@@ -684,8 +684,9 @@ def _first_near_tie(path: Path, prompt: list[int], output: list[int], margin: fl
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("method", ["draft", "ngram", "draft_run_ahead"])
 def test_lossless_greedy_on_cuda(dtype, method, target, draft):
-    """draft_run_ahead: async_scheduling=True, each step's first draft forward for the next step
-    runs from the CUDA graphs before the step commits (its logits copied out of the graph's buffer)."""
+    """draft_run_ahead: async_scheduling's CUDA default, each step's first draft forward for the next
+    step runs from the CUDA graphs before the step commits (its logits copied out of the graph's
+    buffer); draft: async_scheduling=False, every step runs its own."""
     prompts, _ = _mixed_batch()
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLM(target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3)
@@ -695,10 +696,12 @@ def test_lossless_greedy_on_cuda(dtype, method, target, draft):
         cfg["model"] = str(draft)
     spec = LLM(
         target, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, speculative_config=cfg,
-        async_scheduling=method == "draft_run_ahead" or None,
+        async_scheduling=None if method == "draft_run_ahead" else False,
     )  # fmt: skip
     got = _tokens(spec.generate(prompts, sp, use_tqdm=False))
     assert spec.last_spec_metrics.total.num_accepted_tokens > 0
+    if method != "ngram":
+        assert spec.llm_engine.speculator.run_ahead == (method == "draft_run_ahead")
     if method == "draft_run_ahead":
         assert spec.llm_engine.speculator.proposer.num_used_ahead > 0
     if dtype == "float32":

@@ -118,11 +118,10 @@ class EngineArgs:
     )
     async_scheduling: bool | None = _option(
         None,
-        "launch each plain decode step before the previous step's tokens reach the host, which then "
-        "commits them while the device works; outputs are unchanged (default: on for CUDA without "
-        "speculative decoding or with adaptive_k, whose plain steps run ahead). True with a draft model "
-        "also runs each speculative step's first draft forward for the next step before committing the "
-        "step (off unless True)",
+        "launch each plain decode step (without speculative decoding, or adaptive_k's plain steps) "
+        "before the previous step's tokens reach the host, which then commits them while the device "
+        "works, and with a draft model run each speculative step's first draft forward for the next "
+        "step before committing the step; outputs are unchanged (default: on for CUDA)",
     )
 
     # vLLM's common constructor arguments: the supported values work, others are refused.

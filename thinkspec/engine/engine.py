@@ -84,11 +84,10 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by request id
         # adaptive_k's plain steps are the engine's own, so they may be left in flight too.
         self._adaptive = self.speculator is not None and self.speculator.draft_length is not None
-        self.async_scheduling = (self.speculator is None or self._adaptive) and (
-            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        )
-        if self.speculator is not None:  # asked for: the next step's first draft forward runs ahead
-            self.speculator.run_ahead = config.async_scheduling is True and self.speculator.has_draft_model
+        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.async_scheduling = (self.speculator is None or self._adaptive) and overlap
+        if self.speculator is not None:  # the next step's first draft forward runs ahead
+            self.speculator.run_ahead = overlap and self.speculator.has_draft_model
         self._in_flight: InFlight | None = None
         self._copies = TokenCopies(config.max_num_seqs, self.device) if self.async_scheduling else None
         info = self.model_info
