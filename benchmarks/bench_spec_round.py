@@ -7,8 +7,10 @@ and draft steps; --enforce-eager: no graphs). For each batch size it reports, fr
 sequences at the same context length:
   round_ms          Speculator.step for the whole batch (propose + verify + accept, one host copy)
   draft_step_ms     one single-token draft forward over the batch
+  draft_first_ms    one two-token draft forward with logits of the last token: a steady step's forward 1
+                    (its new token and the last accepted draft)
   verify_ms         one target forward scoring k+1 positions per sequence
-  *_back_to_back_ms the same three forwards called --reps times in a row with one sync at the end, per
+  *_back_to_back_ms the same forwards called --reps times in a row with one sync at the end, per
                     call: the host prepares a call while the device runs the one before, as in a
                     round, so this is the device's time when the host keeps up (the figures above
                     also hold the host's preparation and the wait for the result)
@@ -18,7 +20,7 @@ sequences at the same context length:
   tokens_per_round  mean tokens emitted per sequence per round
   floors            the verify's bound, max(weight read at HBM_BYTES_PER_S, its matmul FLOPs at
                     BF16_FLOPS), and the plain step's weight-read floor
-With --kernel-profile (CUDA) the verify, the plain step and a draft step are also replayed once under
+With --kernel-profile (CUDA) the verify, the plain step and both draft forwards are also replayed once under
 torch.profiler, and their device time is split into GEMM, attention and other kernels, with the
 ten costliest kernels.
 Writes JSON (--out) and prints a table last.
@@ -220,10 +222,13 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
     ones, one, window, wide = [1] * batch, [[0]] * batch, [k + 1] * batch, [[0] * (k + 1)] * batch
     parts = {
         "draft": lambda: draft_runner.execute_model(seqs, ones, ones, one, start_positions=starts),
+        "draft_first": lambda: draft_runner.execute_model(
+            seqs, [2] * batch, ones, [[0, 0]] * batch, start_positions=starts
+        ),  # fmt: skip
         "verify": lambda: target_runner.execute_model(seqs, window, window, wide, start_positions=starts),
         "decode": lambda: target_runner.execute_model(seqs, ones, ones, one, start_positions=starts),
     }
-    draft_ms, verify_ms, decode_ms = (timed(parts[p], device, args.reps) for p in parts)
+    draft_ms, first_ms, verify_ms, decode_ms = (timed(parts[p], device, args.reps) for p in parts)
     in_a_row = {f"{p}_back_to_back_ms": back_to_back(fn, device, args.reps) for p, fn in parts.items()}
     profile = {}
     if getattr(args, "kernel_profile", False) and device.type == "cuda":  # other callers pass no such flag
@@ -244,6 +249,7 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         "context": seqs[0].num_tokens,
         "round_ms": round_ms,
         "draft_step_ms": draft_ms,
+        "draft_first_ms": first_ms,
         "verify_ms": verify_ms,
         "parts_ms": parts_ms,
         "decode_ms": decode_ms,
@@ -322,10 +328,11 @@ def main() -> None:
               f"{r['decode_ms'] / r['decode_floor_ms']:>11.2f}")  # fmt: skip
     for r in rows:
         print(f"batch {r['batch']} back to back (ms per call): draft {r['draft_back_to_back_ms']:.2f}, "
+              f"draft forward 1 (2 tokens) {r['draft_first_back_to_back_ms']:.2f}, "
               f"verify {r['verify_back_to_back_ms']:.2f}, "
               f"plain {r['decode_back_to_back_ms']:.2f}")  # fmt: skip
     for r in rows:
-        for part in ("draft_kernels", "verify_kernels", "decode_kernels"):
+        for part in ("draft_kernels", "draft_first_kernels", "verify_kernels", "decode_kernels"):
             if part in r:
                 groups = ", ".join(f"{g} {us / 1e3:.2f}" for g, us in r[part]["groups_us"].items())
                 print(f"batch {r['batch']} {part}: {r[part]['device_us'] / 1e3:.2f} ms device ({groups})")

@@ -21,8 +21,9 @@ def test_small_run_writes_every_part(tmp_path):
     result = json.loads(out.read_text())
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     for r in result["rows"]:
-        for part in ("draft", "verify", "decode"):
+        for part in ("draft", "draft_first", "verify", "decode"):
             assert r[f"{part}_back_to_back_ms"] > 0
+        assert r["draft_first_ms"] > 0
         assert r["draft_step_ms"] > 0 and r["parts_ms"] == r["verify_ms"] + 4 * r["draft_step_ms"]
         assert 1 <= r["tokens_per_round"] <= 5
     assert "back to back (ms per call)" in proc.stdout
