@@ -338,6 +338,8 @@ def main() -> None:
         floor_ms=floor_ms, phases_ms=phases, device_phases_ms=marks, host_profile_ms=host_profile,
         device_profile=device_stats,
         switch_ms=switch, profile_unit="cycle" if args.switch else "step",
+        engine_args=json.loads(args.engine_args), async_scheduling=engine.async_scheduling,
+        run_ahead=engine.speculator is not None and engine.speculator.run_ahead,
     )  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

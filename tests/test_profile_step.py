@@ -27,6 +27,10 @@ def test_profile_step_smoke(tmp_path, spec):
     result = json.loads(out.read_text())
     phases = result["phases_ms"]
     assert result["batch"] == 2 and result["device_profile"] is None and result["spec_k"] == spec
+    # what the engine ran with (CPU: no async scheduling, so nothing runs ahead)
+    assert (
+        result["engine_args"] == {} and result["async_scheduling"] is False and result["run_ahead"] is False
+    )
     # Structure, not timings: each part is timed inside its step, so every per-step part (the
     # remainder included) is >= 0 and <= that step, and so are their medians.
     parts = ("schedule", "execute_model", "sample", "wait_and_commit")
