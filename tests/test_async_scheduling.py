@@ -4,11 +4,12 @@ gives the same outputs as stepping synchronously (fp32, CPU, where the overlap i
 from __future__ import annotations
 
 import pytest
+import torch
 from checkpoints import tiny_checkpoint
 from test_engine import assert_all_blocks_free, bytes_per_block, random_ids
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.engine.engine import LLMEngine
+from thinkspec.engine.engine import LLMEngine, overlaps
 from thinkspec.engine.sequence import PENDING_TOKEN
 from thinkspec.engine_args import EngineArgs
 
@@ -186,6 +187,12 @@ def test_speculative_decoding_runs_its_first_draft_forward_ahead_with_async_sche
     assert not default.async_scheduling and not default.speculator.run_ahead
     on = LLM(str(path), device="cpu", speculative_config=draft, async_scheduling=True).llm_engine
     assert not on.async_scheduling and on.speculator.run_ahead
+    off = LLM(str(path), device="cpu", speculative_config=draft, async_scheduling=False).llm_engine
+    assert not off.async_scheduling and not off.speculator.run_ahead
+    # the default the engine resolves: on for CUDA, off elsewhere; an explicit value wins
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert overlaps(None, cuda) and not overlaps(None, cpu)
+    assert overlaps(True, cpu) and not overlaps(False, cuda)
     assert not LLM(
         str(path), device="cpu", speculative_config=ngram, async_scheduling=True
     ).llm_engine.speculator.run_ahead

@@ -52,6 +52,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def overlaps(async_scheduling: bool | None, device: torch.device) -> bool:
+    """Whether an engine overlaps the host's work with the device's (EngineArgs.async_scheduling,
+    None: on for CUDA): plain steps left in flight, and with a draft model each speculative step's
+    next first draft forward run ahead."""
+    return async_scheduling if async_scheduling is not None else device.type == "cuda"
+
+
 class LLMEngine:
     def __init__(self, config: EngineArgs) -> None:
         self.config = config
@@ -84,7 +91,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by request id
         # adaptive_k's plain steps are the engine's own, so they may be left in flight too.
         self._adaptive = self.speculator is not None and self.speculator.draft_length is not None
-        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        overlap = overlaps(config.async_scheduling, self.device)
         self.async_scheduling = (self.speculator is None or self._adaptive) and overlap
         if self.speculator is not None:  # the next step's first draft forward runs ahead
             self.speculator.run_ahead = overlap and self.speculator.has_draft_model
