@@ -154,8 +154,9 @@ def main() -> None:
         "thinkspec_cublas), 'attn64' (64-key attention tiles everywhere, thinkspec_attn64), 'combine' "
         "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
         "dependent launch, thinkspec_nopdl), 'noglu' (gate_up product and SiLU * up as two launches, "
-        "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512); "
-        "comma-separated",
+        "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512), "
+        "'early' (pdl.EARLY_RELEASE: at up to 4 rows kernels let the next one in after their wait, the "
+        "GEMV reads its first weight tile before it, thinkspec_early); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -208,7 +209,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "early")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -219,6 +220,7 @@ def main() -> None:
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
         use_pdl = pdl.ENABLED  # process-wide and read at launch: set before each engine runs (and captures)
+        early = pdl.EARLY_RELEASE  # the same
         small_n = gemv_triton.SMALL_N  # the same: gemv_config reads it per launch (0: no few-outputs rule)
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
@@ -244,6 +246,7 @@ def main() -> None:
             for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
                 for name, engine, overlap in plain:
                     pdl.ENABLED = use_pdl and name != "thinkspec_nopdl"
+                    pdl.EARLY_RELEASE = early or name == "thinkspec_early"
                     gemv_triton.SMALL_N = 0 if name == "thinkspec_gemv512" else small_n
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
@@ -254,7 +257,7 @@ def main() -> None:
                 record(
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
-        pdl.ENABLED, gemv_triton.SMALL_N = use_pdl, small_n
+        pdl.ENABLED, gemv_triton.SMALL_N, pdl.EARLY_RELEASE = use_pdl, small_n, early
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)

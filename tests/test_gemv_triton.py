@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not importable")
 
 from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
-from thinkspec.layers import gemv_triton, linear  # noqa: E402
+from thinkspec.layers import gemv_triton, linear, pdl  # noqa: E402
 from thinkspec.layers.gemv_triton import gemv  # noqa: E402
 
 gpu = pytest.mark.gpu
@@ -208,6 +208,26 @@ def test_interp_gemv_writes_into_a_float32_out(m):
     assert not torch.equal(out, out.bfloat16().float())
     with pytest.raises(ValueError, match="out must be"):
         gemv(x, w, out=torch.empty(m, 71))
+
+
+@interp
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize(("n", "k"), [(1, 5), (37, 100), (6, 1500), (64, 512)])
+def test_interp_gemv_early_release_gives_the_same_bits(monkeypatch, glu, m, n, k):
+    # pdl.EARLY_RELEASE: the first weight tile read before the wait, the same sums in the same order
+    # (one tile or many, a ragged last tile, a K shorter than one tile), at the default launch shape
+    # and a small one
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(2 * n if glu else n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(w.shape[0], generator=g).bfloat16()
+    got = {}
+    for early in (False, True):
+        monkeypatch.setattr(pdl, "EARLY_RELEASE", early)
+        got[early] = [gemv(x, w, b, glu=glu, config=c) for c in (None, (2, 32, 4, 1))]
+    assert all(torch.equal(a, e) for a, e in zip(got[False], got[True]))
+    _check(got[True][0], _glu_reference(x, w, b) if glu else F.linear(x, w, b), k)
 
 
 # ---------------------------------------------------------------- GPU cases (real sizes)

@@ -27,6 +27,13 @@ def test_no_pdl_on_cpu():
     assert pdl.launch_args(cpu) == {"PDL": False}
 
 
+def test_early_release_only_at_a_few_rows(monkeypatch):
+    assert not pdl.early_release(1)  # off by default
+    monkeypatch.setattr(pdl, "EARLY_RELEASE", True)
+    assert pdl.early_release(1) and pdl.early_release(pdl.EARLY_MAX_ROWS)
+    assert not pdl.early_release(pdl.EARLY_MAX_ROWS + 1)
+
+
 def test_launch_args_follow_the_switch(monkeypatch):
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
     dev = torch.device("cuda", 0)
@@ -53,8 +60,10 @@ def test_gpu_graph_steps_with_pdl_equal_steps_without(tmp_path, monkeypatch):
     # Qwen3-8B widths (two layers) so that every kernel PDL touches runs: the GEMV (batch 1), the skinny
     # GEMM with and without split-K (batch 16, 64), the fused norm / rotary / SiLU kernels and paged
     # attention, decode and 5-token verify windows. One runner captures its graphs with PDL, one
-    # without; the same steps must give bit-identical logits on every one of many replays (a kernel
-    # reading its input before the one before it finished would show up as differing bits).
+    # without, one with PDL and EARLY_RELEASE (at up to 4 rows: the next kernel let in after each
+    # wait, the GEMV's first weight tile read before its wait); the same steps must give bit-identical
+    # logits on every one of many replays (a kernel reading its input before the one before it
+    # finished would show up as differing bits).
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0 or newer")
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_TWO_LAYERS))
@@ -63,11 +72,12 @@ def test_gpu_graph_steps_with_pdl_equal_steps_without(tmp_path, monkeypatch):
     use_triton_kernels(model)
     block, num_blocks, max_len = 16, 1024, 512
     spec = GraphSpec((1, 5), graph_batch_sizes(64), max_len, max_len // block + 1)
+    modes = {"off": (False, False), "pdl": (True, False), "early": (True, True)}  # (ENABLED, EARLY_RELEASE)
     runners = {
-        flag: ModelRunner.for_model(
+        mode: ModelRunner.for_model(
             model, info, num_blocks=num_blocks, block_size=block, device=device, graphs=spec
         )
-        for flag in (False, True)
+        for mode in modes
     }
     bm = BlockManager(num_blocks, block, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(0)
@@ -78,27 +88,30 @@ def test_gpu_graph_steps_with_pdl_equal_steps_without(tmp_path, monkeypatch):
         bm.allocate(seq, len(prompt) + 8)
         seqs.append(seq)
 
-    def step(flag: bool, *args, **kwargs) -> torch.Tensor:
-        monkeypatch.setattr(pdl, "ENABLED", flag)  # read at capture (and by eager launches)
-        return runners[flag].execute_model(*args, **kwargs).clone()
+    def step(mode: str, *args, **kwargs) -> torch.Tensor:
+        enabled, early = modes[mode]  # read at capture (and by eager launches)
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        monkeypatch.setattr(pdl, "EARLY_RELEASE", early)
+        return runners[mode].execute_model(*args, **kwargs).clone()
 
-    for flag in (False, True):  # prefill eagerly into both pools
+    for mode in modes:  # prefill eagerly into every pool
         for i in range(0, 64, 16):
             batch = seqs[i : i + 16]
-            step(flag, batch, [s.num_tokens for s in batch], [1] * len(batch))
+            step(mode, batch, [s.num_tokens for s in batch], [1] * len(batch))
     for s in seqs:
         s.num_computed_tokens = s.num_tokens
     assert pdl.use_pdl(device)
-    for size, width in ((1, 1), (16, 1), (64, 1), (16, 5)):
+    for size, width in ((1, 1), (2, 1), (4, 1), (16, 1), (64, 1), (16, 5)):
         batch = seqs[:size]
         starts = [s.num_tokens - 1 for s in batch]
         ids = [s.token_ids[-1:] * width for s in batch]
         args = (batch, [width] * size, [width] * size)
         kw = dict(input_token_ids=ids, start_positions=starts)
-        want = step(False, *args, **kw)
-        replays = runners[True].graphs.num_replays
-        for _ in range(30):
-            got = step(True, *args, **kw)
-            assert torch.equal(got, want), f"batch {size} x {width}: PDL changed the logits"
-        assert runners[True].graphs.num_replays == replays + 30, "the steps did not replay a graph"
-        assert torch.equal(step(False, *args, **kw), want)
+        want = step("off", *args, **kw)
+        for mode in ("pdl", "early"):
+            replays = runners[mode].graphs.num_replays
+            for _ in range(30):
+                got = step(mode, *args, **kw)
+                assert torch.equal(got, want), f"batch {size} x {width}: {mode} changed the logits"
+            assert runners[mode].graphs.num_replays == replays + 30, "the steps did not replay a graph"
+        assert torch.equal(step("off", *args, **kw), want)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_prior
 
 _COMPILE = {"enable_fp_fusion": False}
 
@@ -44,9 +44,12 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,  # pdl.EARLY_RELEASE: the next kernel is let in right after the wait
     PDL: tl.constexpr,
 ):
     wait_prior(PDL)
+    if EARLY:
+        release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,7 +63,8 @@ def _rms_norm_kernel(
     y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)  # `x.to(dtype)`
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * y.to(tl.float32)  # `self.weight * x`, rounded once below
-    release_next(PDL)
+    if not EARLY:
+        release_next(PDL)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -97,8 +101,8 @@ def rms_norm(
         _rms_norm_kernel[(rows,)](
             x2, x2.stride(0), res2, res2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
             weight, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
-            **_COMPILE, **launch_args(x.device),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, EARLY=early_release(rows),
+            num_warps=min(max(block // 512, 1), 16), **_COMPILE, **launch_args(x.device),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)

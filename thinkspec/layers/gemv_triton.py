@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from thinkspec.layers.fused_triton import silu_mul
-from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_prior
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 SMALL_N = 1024  # outputs up to which a long-K product takes its own launch shape (gemv_config)
@@ -54,6 +54,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
+    EARLY: tl.constexpr,  # pdl.EARLY_RELEASE
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -65,10 +66,26 @@ def _gemv_kernel(
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
     up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
     x_base = x_ptr + rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    wait_prior(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if GLU else (1, 1, 1), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if EARLY:  # pdl.EARLY_RELEASE: the first weight tile is read before the wait, the next kernel let in
+        first_k = (ks < K)[None, :]  # names apart from the loop's, whose carried types differ
+        first_w = tl.load(w_base, mask=col_ok[:, None] & first_k, other=0.0, eviction_policy="evict_first")
+        if GLU:
+            first_up = tl.load(
+                up_base, mask=col_ok[:, None] & first_k, other=0.0, eviction_policy="evict_first"
+            )
+        wait_prior(PDL)
+        release_next(PDL)
+        first_x = tl.load(x_base, mask=row_ok[:, None] & first_k, other=0.0).to(tl.float32)[:, None, :]
+        acc += first_x * first_w.to(tl.float32)[None, :, :]
+        if GLU:
+            acc_up += first_x * first_up.to(tl.float32)[None, :, :]
+        k_start = BLOCK_K
+    else:
+        wait_prior(PDL)
+    for k0 in range(k_start, K, BLOCK_K):
         if EVEN_K:
             w_mask = col_ok[:, None]
             x_mask = row_ok[:, None]
@@ -82,7 +99,8 @@ def _gemv_kernel(
         if GLU:
             w_up = tl.load(up_base + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up += x * w_up.to(tl.float32)[None, :, :]
-    release_next(PDL)
+    if not EARLY:
+        release_next(PDL)
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -175,6 +193,7 @@ def gemv(
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
         m, n, k,
         HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **launch_args(x.device),
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, EARLY=early_release(m), num_warps=warps, num_stages=stages,
+        **launch_args(x.device),
     )  # fmt: skip
     return y
