@@ -212,12 +212,12 @@ def test_interp_gemv_writes_into_a_float32_out(m):
 
 @interp
 @pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize(("n", "k"), [(1, 5), (37, 100), (6, 1500), (64, 512)])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 512), (6, 1500)])
 def test_interp_gemv_early_release_gives_the_same_bits(monkeypatch, glu, m, n, k):
     # pdl.EARLY_RELEASE: the first weight tile read before the wait, the same sums in the same order
-    # (one tile or many, a ragged last tile, a K shorter than one tile), at the default launch shape
-    # and a small one
+    # (a K shorter than one tile, exactly one tile, many tiles with a ragged last one), at the
+    # default launch shape and a small one
     g = torch.Generator().manual_seed(m * 100 + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(2 * n if glu else n, k, generator=g) / k**0.5).bfloat16()
