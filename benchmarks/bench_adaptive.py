@@ -497,7 +497,8 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
         result["cost_model"] = cost_model_table(choosers[primary(args)].costs, max(batches))
         switch = choosers[primary(args)].costs.switch
         result["switch_ms"] = None if switch != switch else round(switch, 3)  # learned; NaN: none seen
-        proposer = engines["spec"].llm_engine.speculator.proposer  # async_scheduling=True: forwards run ahead
+        # forwards run ahead with async_scheduling (the CUDA default)
+        proposer = engines["spec"].llm_engine.speculator.proposer
         result["run_ahead"] = {"run": proposer.num_run_ahead, "used": proposer.num_used_ahead}
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))

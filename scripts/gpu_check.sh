@@ -179,13 +179,9 @@ if has step; then
     [ -n "$len" ] && args+=("\"max_model_len\": $len")
     [ "$mode" = sync ] && args+=("\"async_scheduling\": false")
     spec=()
-    if [[ "$mode" == spec* ]]; then  # speculative steps, each running its own first draft forward
-      spec=(--spec "${mode#spec}" --device-phases)
-      args+=("\"async_scheduling\": false")
-    fi
-    if [[ "$mode" == ahead* ]]; then  # speculative steps whose first draft forward runs ahead
-      spec=(--spec "${mode#ahead}" --device-phases)
-      args+=("\"async_scheduling\": true")
+    if [[ "$mode" == spec* || "$mode" == ahead* ]]; then  # speculative steps; ahead: forward 1 runs ahead
+      spec=(--spec "${mode##*[a-z]}" --device-phases)
+      args+=("\"async_scheduling\": $([[ "$mode" == ahead* ]] && echo true || echo false)")
     fi
     [[ "$mode" == switch* ]] && spec=(--spec "${mode#switch}" --switch "${SWITCH_PLAIN:-24}" --steps 10 --warmup 2)
     name="step_${#steps[@]}_${bs}_${len:-short}${mode:+_$mode}"  # a run listed twice keeps both files
