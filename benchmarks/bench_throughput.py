@@ -155,8 +155,9 @@ def main() -> None:
         "(split-KV partials merged by a separate launch, thinkspec_combine), 'nopdl' (no programmatic "
         "dependent launch, thinkspec_nopdl), 'noglu' (gate_up product and SiLU * up as two launches, "
         "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512), "
-        "'early' (pdl.EARLY_RELEASE: at up to 4 rows kernels let the next one in after their wait, the "
-        "GEMV reads its first weight tile before it, thinkspec_early); comma-separated",
+        "'noearly' (pdl.EARLY_RELEASE off: at one and two rows kernels no longer let the next one in right "
+        "after their wait, nor the GEMV read its first weight tile before it, thinkspec_noearly); "
+        "comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -209,7 +210,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "early")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -246,7 +247,7 @@ def main() -> None:
             for rep in range(args.repeats):  # round-robin, so drift hits every engine alike
                 for name, engine, overlap in plain:
                     pdl.ENABLED = use_pdl and name != "thinkspec_nopdl"
-                    pdl.EARLY_RELEASE = early or name == "thinkspec_early"
+                    pdl.EARLY_RELEASE = early and name != "thinkspec_noearly"
                     gemv_triton.SMALL_N = 0 if name == "thinkspec_gemv512" else small_n
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])

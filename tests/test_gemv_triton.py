@@ -212,7 +212,7 @@ def test_interp_gemv_writes_into_a_float32_out(m):
 
 @interp
 @pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, pdl.EARLY_MAX_ROWS])
 @pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 512), (6, 1500)])
 def test_interp_gemv_early_release_gives_the_same_bits(monkeypatch, glu, m, n, k):
     # pdl.EARLY_RELEASE: the first weight tile read before the wait, the same sums in the same order
@@ -225,6 +225,7 @@ def test_interp_gemv_early_release_gives_the_same_bits(monkeypatch, glu, m, n, k
     got = {}
     for early in (False, True):
         monkeypatch.setattr(pdl, "EARLY_RELEASE", early)
+        assert pdl.early_release(m) == early
         got[early] = [gemv(x, w, b, glu=glu, config=c) for c in (None, (2, 32, 4, 1))]
     assert all(torch.equal(a, e) for a, e in zip(got[False], got[True]))
     _check(got[True][0], _glu_reference(x, w, b) if glu else F.linear(x, w, b), k)

@@ -15,10 +15,12 @@ Rules every kernel launched this way keeps:
     measured 1.6-2% slower at batch 16; prefetching up to 16 MiB of a product's weight into L2
     before the wait, in the skinny GEMM and the GEMV, 0.5-5% slower at batch 1 to 64; the GEMV
     reading its first weight tile into registers before the wait, under 1% faster at batch 1-2.)
-`EARLY_RELEASE` (off by default; not yet measured) bends both rules at up to EARLY_MAX_ROWS rows,
-where the two alone did not pay but together might: the norm, attention and GEMV kernels release
-right after their wait, and the GEMV, so placed while the kernel before it runs, reads its first
-weight tile before its wait (no kernel of a step writes a weight; activations still wait).
+`EARLY_RELEASE` (on) bends both rules at up to EARLY_MAX_ROWS rows, where the two alone did not
+pay but together do: the norm, attention and GEMV kernels release right after their wait, and the
+GEMV, so placed while the kernel before it runs, reads its first weight tile before its wait (no
+kernel of a step writes a weight; activations still wait). Qwen3-0.6B shape step: batch 1 0.89 ->
+0.85 ms, batch 2 0.98 -> 0.96-0.97 ms (two calls); at 4 rows 1.34 -> 1.43 ms slower, so 2 rows at
+most (docs/BENCHMARKS.md, "Early release at one and two rows").
 When a kernel's wait returns, the kernel before it has completed, and that one had passed its own
 wait (or was launched normally), so every earlier kernel of the stream has completed too. Kernels
 launched normally (cuBLAS, torch ops) keep full stream order before and after. CUDA-graph capture
@@ -38,8 +40,8 @@ import triton
 import triton.language as tl
 
 ENABLED = True
-EARLY_RELEASE = False  # see above; read at launch, as ENABLED
-EARLY_MAX_ROWS = 4  # the GEMV's rows (layers/linear.py sends it up to 4)
+EARLY_RELEASE = True  # see above; read at launch, as ENABLED
+EARLY_MAX_ROWS = 2  # measured slower at 4 rows
 
 
 @functools.cache
