@@ -33,7 +33,7 @@ import triton.language as tl
 
 from thinkspec.layers.attention_torch import TorchAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
-from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(x - m) stays NaN-free
@@ -129,12 +129,9 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     FUSE_COMBINE: tl.constexpr,  # S > 1: the last split program merges (no _combine_kernel launch)
     FP32_DOT: tl.constexpr,  # fp32 operands, exact products (fp32 inputs; bf16 under the interpreter)
-    EARLY: tl.constexpr,  # pdl.EARLY_RELEASE: the next kernel is let in right after the wait
     PDL: tl.constexpr,
 ):
     wait_prior(PDL)
-    if EARLY:
-        release_next(PDL)
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
     h_kv = tl.program_id(2) // NUM_SPLITS
@@ -220,8 +217,7 @@ def _paged_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
-    if not EARLY:
-        release_next(PDL)
+    release_next(PDL)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -484,8 +480,7 @@ class TritonAttentionBackend:
             dst, *strides, ml, out, out.stride(0), out.stride(1), counters, scale * _LOG2E, num_heads,
             num_tokens, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot,
-            EARLY=early_release(num_tokens), **self.launch, **pdl,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot, **self.launch, **pdl,
         )  # fmt: skip
         if splits > 1 and not fused:
             _combine_kernel[(num_tokens, num_heads)](

@@ -16,9 +16,11 @@ Rules every kernel launched this way keeps:
     before the wait, in the skinny GEMM and the GEMV, 0.5-5% slower at batch 1 to 64; the GEMV
     reading its first weight tile into registers before the wait, under 1% faster at batch 1-2.)
 `EARLY_RELEASE` (on) bends both rules at up to EARLY_MAX_ROWS rows, where the two alone did not
-pay but together do: the norm, attention and GEMV kernels release right after their wait, and the
-GEMV, so placed while the kernel before it runs, reads its first weight tile before its wait (no
-kernel of a step writes a weight; activations still wait). Qwen3-0.6B shape step: batch 1 0.89 ->
+pay but together do: the norm and GEMV kernels release right after their wait, and the GEMV, so
+placed while the kernel before it runs, reads its first weight tile before its wait (no kernel of a
+step writes a weight; activations still wait). Not attention: its tiles do not depend on the token
+count, so an eager launch (its count varies in a run) would need a second build of tiles a graph
+built early, in mid-run (seen on the H200). Qwen3-0.6B shape step: batch 1 0.89 ->
 0.85 ms, batch 2 0.98 -> 0.96-0.97 ms (two calls); at 4 rows 1.34 -> 1.43 ms slower, so 2 rows at
 most (docs/BENCHMARKS.md, "Early release at one and two rows").
 When a kernel's wait returns, the kernel before it has completed, and that one had passed its own
