@@ -24,7 +24,7 @@ def _count_run_ahead(engine: LLMEngine) -> list[int]:
     original = engine.model_runner.execute_model
 
     def execute_model(*args, **kwargs):
-        calls[0] += kwargs.get("device_tokens") is not None
+        calls[0] += kwargs.get("device_inputs") is not None
         return original(*args, **kwargs)
 
     engine.model_runner.execute_model = execute_model

@@ -273,7 +273,7 @@ def test_gpu_replay_matches_eager_logits():
     kw = dict(
         input_token_ids=[[0]] * 3,
         start_positions=[s.num_computed_tokens for s in batch],
-        device_tokens=(torch.arange(3, device="cuda"), toks),
+        device_inputs=(torch.arange(3, device="cuda"), toks),
     )
     eager, replayed = _both(runner, batch, [1] * 3, [1] * 3, **kw)
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=0)

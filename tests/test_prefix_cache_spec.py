@@ -54,7 +54,7 @@ class KVOracle:
         bs = self.block_size
 
         def execute_model(seqs, num_new_tokens, num_logits, input_token_ids=None, start_positions=None,
-                          device_tokens=None):  # fmt: skip
+                          device_inputs=None):  # fmt: skip
             flat: list[int] = []
             starts = []
             for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
@@ -62,8 +62,8 @@ class KVOracle:
                 starts.append(start)
                 ids = seq.token_ids[start : start + n] if input_token_ids is None else input_token_ids[i]
                 flat.extend(int(t) for t in ids)
-            if device_tokens is not None:  # drafts that never left the device
-                for idx, tok in zip(device_tokens[0].tolist(), device_tokens[1].tolist()):
+            if device_inputs is not None:  # drafts that never left the device
+                for idx, tok in zip(device_inputs[0].tolist(), device_inputs[1].tolist()):
                     flat[idx] = int(tok)
             for seq, start in zip(seqs, starts):  # what the forward reads must be its own tokens
                 for p in range(min(start, seq.num_tokens)):
@@ -81,7 +81,7 @@ class KVOracle:
                     slot = seq.block_table[p // bs] * bs + p % bs
                     shadow[slot] = None if prev is None else (*prev, flat[offset + p - start])
                 offset += n
-            return inner(seqs, num_new_tokens, num_logits, input_token_ids, start_positions, device_tokens)
+            return inner(seqs, num_new_tokens, num_logits, input_token_ids, start_positions, device_inputs)
 
         runner.execute_model = execute_model
 

@@ -179,12 +179,13 @@ def test_lossless_greedy_with_the_first_draft_forward_run_ahead(name, policy, eo
     _assert_blocks_free(spec)
 
 
-def test_run_ahead_leaves_out_the_rows_a_step_finishes(target):
-    """A self-draft accepts every draft, so each step after the prefill speculates for every row; a
-    row that the step finishes (by length, by a stop token id) is left out of the forward run ahead,
-    and the others' forward serves the next step; a row left with one token (no draft next step)
-    stops the step from running ahead. Every other step but the prefill and the last runs ahead, and
-    every forward run ahead is used."""
+def test_run_ahead_feeds_every_row_and_serves_the_rows_that_stay(target):
+    """A self-draft accepts every draft, so each step after the prefill speculates for every row. The
+    forward run ahead feeds every row of its step before the step's outcome is known, and the next
+    step takes the logits of the rows it keeps: after a row stops on a token id (step 3) the other
+    rows' logits serve; a row left with one token (no draft next step) is fed by that forward without
+    logits, and the step where it drafts nothing (4) runs nothing ahead; a step whose every row may
+    finish by length (the last, 9) runs nothing ahead either. Every forward run ahead is used."""
     plain = LLM(target, device="cpu")
     prompts = [[72, 105, 33], [70, 71, 72], [97, 98], [100, 101]]
     probe = plain.generate(
@@ -196,53 +197,75 @@ def test_run_ahead_leaves_out_the_rows_a_step_finishes(target):
         SamplingParams(temperature=0, max_tokens=1 + 3 * (K + 1), ignore_eos=True),  # by length, step 4
         SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop_token_ids=[out[i]]),
         SamplingParams(temperature=0, max_tokens=1 + 8 * (K + 1), ignore_eos=True),  # the last
-        # after step 3 one token left: step 3 runs nothing ahead (step 4 feeds it without logits),
-        # step 4 drafts nothing for it and runs nothing ahead either
-        SamplingParams(temperature=0, max_tokens=2 + 2 * (K + 1), ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=2 + 2 * (K + 1), ignore_eos=True),  # one token left at 4
     ]
-    # 16-token KV blocks: the bonus token's position, where the forward run ahead starts when every
-    # draft is accepted, is reserved with the step's (one slot past its window)
+    # 16-token KV blocks: the last position the forward run ahead may feed (the bonus token's, when
+    # every draft is accepted) is reserved with the step's (one slot past its window)
     llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K},
               async_scheduling=True, block_size=16)  # fmt: skip
     engine = llm.llm_engine
     for n, (prompt, sp) in enumerate(zip(prompts, params)):
         engine.add_request({"prompt_token_ids": prompt}, sp, str(n))
-    steps, finished = 0, {}
+    proposer = engine.speculator.proposer
+    steps, finished, ran, used = 0, {}, [], []
     while engine.has_unfinished_requests():
         steps += 1
+        counts = proposer.num_run_ahead, proposer.num_used_ahead
         for o in engine.step():
             if o.finished:
                 finished[o.request_id] = (steps, o.outputs[0].finish_reason, o.outputs[0].token_ids)
-    assert finished["0"][:2] == (4, "length") and finished["1"][1] == "stop" and finished["2"][0] == steps
-    assert finished["1"][2] == out[: i + 1] and finished["1"][0] < steps
-    proposer = engine.speculator.proposer
-    assert finished["3"][:2] == (4, "length")
-    assert proposer.num_run_ahead == steps - 4 and proposer.num_used_ahead == proposer.num_run_ahead
+        ran.append(proposer.num_run_ahead - counts[0])
+        used.append(proposer.num_used_ahead - counts[1])
+    assert finished["0"][:2] == (4, "length") and finished["3"][:2] == (4, "length")
+    assert finished["1"][:2] == (3, "stop") and finished["1"][2] == out[: i + 1]
+    assert finished["2"][:2] == (9, "length") and steps == 9
+    assert ran == [0, 1, 1, 0, 1, 1, 1, 1, 0]
+    assert used == [0, 0, 1, 1, 0, 1, 1, 1, 1]
 
 
-def test_run_ahead_predicts_stops_by_token_id_as_commit_does():
-    """_stops: a stop token id or EOS stops a request once it has min_tokens (counting the token),
-    EOS not with ignore_eos; the first such token among those committed decides."""
-    from types import SimpleNamespace
+def test_run_ahead_needs_every_row_drafting_with_the_slot_past_its_window(target):
+    """Speculator._ahead_proposer: a step runs the next forward 1 ahead only when every row drafted and
+    holds KV slots up to the last position that forward may feed (num_tokens + drafts), and some row
+    may outlive the step (the forward would otherwise serve nothing)."""
+    from thinkspec.spec_decode.proposer import Proposal
 
-    from thinkspec.engine.speculator import _stops
+    llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K},
+              async_scheduling=True, block_size=16)  # fmt: skip
+    engine = llm.llm_engine
+    prompts = ([72, 105, 33, 40, 41, 42, 43, 44, 45, 46, 47], [65, 66, 67])
+    for rid, (prompt, n) in enumerate(zip(prompts, (40, 20))):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        engine.add_request({"prompt_token_ids": prompt}, sp, str(rid))
+    engine.step()
+    spec, seqs = engine.speculator, list(engine.scheduler.running)
 
-    def seq(num_output: int, **params) -> SimpleNamespace:
-        sp = SamplingParams(temperature=0, max_tokens=100, **params)
-        return SimpleNamespace(sampling_params=sp, eos_token_ids=frozenset({7}), num_output_tokens=num_output)
+    def proposer_for(num_drafts: list[int], blocks: list[int]):
+        for s, n in zip(seqs, blocks):
+            s.block_table = list(range(n))
+        drafts = torch.zeros(len(seqs), K, dtype=torch.long)
+        return spec._ahead_proposer(seqs, Proposal(drafts, num_drafts, None, draft_computed=[0, 0]))
 
-    assert _stops(seq(3, stop_token_ids=[9]), [1, 9, 2])
-    assert not _stops(seq(3, stop_token_ids=[9]), [1, 2])
-    assert _stops(seq(3), [1, 7])  # EOS
-    assert not _stops(seq(3, ignore_eos=True), [1, 7])
-    assert not _stops(seq(3, min_tokens=6), [1, 7])  # EOS as output token 5 of at least 6: kept
-    assert _stops(seq(3, min_tokens=6), [1, 2, 7])  # as output token 6
-    assert _stops(seq(3, min_tokens=5, stop_token_ids=[9]), [1, 9])
+    fits = [-(-(s.num_tokens + K + 1) // 16) for s in seqs]  # blocks holding num_tokens + K + 1 slots
+    assert proposer_for([K, K], fits) is spec.proposer
+    assert proposer_for([K, 0], fits) is None  # a row drafts nothing
+    assert (seqs[0].num_tokens + K) % 16 == 0  # one block fewer holds exactly one slot too few
+    assert proposer_for([K, K], [fits[0] - 1, fits[1]]) is None
+    assert proposer_for([K - 1, K], [fits[0] - 1, fits[1]]) is spec.proposer  # one draft fewer: it fits
+    for s, n in zip(seqs, fits):
+        s.block_table = list(range(n))
+    seqs[0].sampling_params.max_tokens = seqs[0].num_output_tokens + K + 1  # it ends at most here
+    seqs[1].sampling_params.max_tokens = seqs[1].num_output_tokens + 2
+    both_end = Proposal(torch.zeros(2, K), [K, 1], None, draft_computed=[0, 0])
+    assert spec._ahead_proposer(seqs, both_end) is None
+    seqs[1].sampling_params.max_tokens += 1  # now row 1 may outlive the step
+    assert spec._ahead_proposer(seqs, both_end) is spec.proposer
 
 
-def test_run_ahead_forward_serves_only_the_same_forward(target):
-    """ForwardAhead.serves: the same sequences, start positions, tokens and KV blocks, every row
-    wanting logits; anything else runs its own forward 1."""
+def test_run_ahead_forward_serves_only_what_forward_1_would_feed(target):
+    """ForwardAhead.serves: each sequence of forward 1 fed by the forward run ahead, ending at the same
+    position and starting no later, with the same tokens and KV blocks; the rows of its logits that
+    forward 1 wants come back (rows it fed that forward 1 leaves out are not used); anything else
+    runs its own forward 1."""
     from thinkspec.spec_decode.draft_model import ForwardAhead
 
     llm = LLM(target, device="cpu", speculative_config={"model": str(target), "num_speculative_tokens": K})
@@ -252,19 +275,29 @@ def test_run_ahead_forward_serves_only_the_same_forward(target):
     engine.step()
     seq, twin = engine.scheduler.running
     bs = engine.speculator.proposer.runner.block_size
-    start = seq.num_tokens - 2
-    tokens = seq.token_ids[start:]
-    blocks = seq.block_table[start // bs : (seq.num_tokens - 1) // bs + 1]
-    ahead = ForwardAhead([seq], [start], [list(tokens)], [list(blocks)], torch.zeros(1, 4))
-    assert ahead.serves([seq], [2], [start], [1], bs)
-    assert not ahead.serves([seq], [2], [start], [0], bs)  # the row drafts nothing: no logits wanted
-    assert not ahead.serves([seq], [1], [start + 1], [1], bs)  # another start
-    assert not ahead.serves([seq, seq], [2, 2], [start, start], [1, 1], bs)
-    other = ForwardAhead([seq], [start], [[tokens[0], tokens[1] + 1]], [list(blocks)], torch.zeros(1, 4))
-    assert not other.serves([seq], [2], [start], [1], bs)  # other tokens
-    moved = ForwardAhead([seq], [start], [list(tokens)], [[b + 1 for b in blocks]], torch.zeros(1, 4))
-    assert not moved.serves([seq], [2], [start], [1], bs)  # the positions live in other blocks now
-    assert not ahead.serves([twin], [2], [start], [1], bs)  # another sequence object
+
+    def fed(s):  # its last two positions: (start, tokens, blocks)
+        start = s.num_tokens - 2
+        return start, list(s.token_ids[start:]), s.block_table[start // bs : (s.num_tokens - 1) // bs + 1]
+
+    start, tokens, blocks = fed(seq)
+    ahead = ForwardAhead([seq], [start], [tokens], [blocks], torch.zeros(1, 4))
+    assert ahead.serves([seq], [2], [start], [1], bs) == [0]
+    assert ahead.serves([seq], [1], [start + 1], [1], bs) == [0]  # it fed one committed token more
+    assert ahead.serves([seq], [2], [start], [0], bs) == []  # fed, no logits wanted
+    assert ahead.serves([seq], [3], [start - 1], [1], bs) is None  # forward 1 starts earlier
+    assert ahead.serves([seq], [1], [start], [1], bs) is None  # another end
+    assert ahead.serves([seq, twin], [2, 2], [start, start], [1, 1], bs) is None  # twin was not fed
+    other = ForwardAhead([seq], [start], [[tokens[0], tokens[1] + 1]], [blocks], torch.zeros(1, 4))
+    assert other.serves([seq], [2], [start], [1], bs) is None  # other tokens
+    moved = ForwardAhead([seq], [start], [tokens], [[b + 1 for b in blocks]], torch.zeros(1, 4))
+    assert moved.serves([seq], [2], [start], [1], bs) is None  # the positions live in other blocks now
+    assert ahead.serves([twin], [2], [start], [1], bs) is None  # another sequence object
+    t_start, t_tokens, t_blocks = fed(twin)
+    logits = torch.zeros(2, 4)
+    both = ForwardAhead([seq, twin], [start, t_start], [tokens, t_tokens], [blocks, t_blocks], logits)
+    assert both.serves([twin], [2], [t_start], [1], bs) == [1]  # seq left out (it finished)
+    assert both.serves([twin, seq], [2, 2], [t_start, start], [1, 1], bs) == [1, 0]
 
 
 def test_self_draft_accepts_everything(target):

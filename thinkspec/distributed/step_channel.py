@@ -42,7 +42,7 @@ class StepHeader:
     max_query_len: int  # of the real sequences (eager steps' attention metadata)
     max_seq_len: int
     num_out_rows: int  # logits rows returned: sum(num_logits)
-    num_device_tokens: int
+    num_device_inputs: int
     pad: int = 0
 
     @property
@@ -100,11 +100,11 @@ class StepChannel:
         """tensor: contiguous, rank 0's values land in every rank's tensor."""
         dist.broadcast(tensor, src=0)
 
-    def share_device_tokens(
+    def share_device_inputs(
         self, header: StepHeader, tokens: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rank 0's (positions [M], ids [M]) int64 device tensors, on every rank."""
-        m = header.num_device_tokens
+        """Rank 0's execute_model device_inputs (index [M], values [M]) int64, on every rank."""
+        m = header.num_device_inputs
         if not m:
             return None
         if self.driver:

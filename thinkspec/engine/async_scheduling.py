@@ -52,7 +52,7 @@ class TokenCopies:
         return InFlight(tokens=tokens, host=host, done=done)
 
     def feed(self, flight: InFlight, seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """device_tokens for a step decoding exactly flight's sequences: (batch rows [S], tokens [S])."""
+        """device_inputs for a step decoding exactly flight's sequences: (batch rows [S], tokens [S])."""
         rows = {id(seq): r for r, seq in flight.pending}
         src = [rows[id(seq)] for seq in seqs]
         index = self._rows[: len(src)]

@@ -432,23 +432,23 @@ class CUDAGraphCache:
         key: tuple[int, int],
         layout: InputLayout,
         num_rows: int,
-        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+        device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run key's graph on the inputs already copied into self.inputs[: layout.size].
 
-        Copies the step's block tables into the static int32 table, writes device_tokens into
-        input_ids, replays, and returns logits [num_rows, V] float32: a view of the static buffer,
-        overwritten by this runner's next replay.
+        Writes device_inputs (index into the packed inputs, values) over them, copies the step's
+        block tables into the static int32 table, replays, and returns logits [num_rows, V] float32: a
+        view of the static buffer, overwritten by this runner's next replay.
         """
         bucket, _ = key
         w = layout.width
+        if device_inputs is not None:
+            self.inputs[: layout.size].index_put_((device_inputs[0],), device_inputs[1])
         tables = self.inputs[layout.fixed_size : layout.size].view(bucket, w)
         self.block_tables[:bucket, :w].copy_(tables)
         if self._clean_from > w:
             self.block_tables[:, w : self._clean_from].fill_(-1)
         self._clean_from = w
-        if device_tokens is not None:
-            self.inputs[: layout.num_tokens].index_put_((device_tokens[0],), device_tokens[1])
         self.graphs[key].replay()
         self.num_replays += 1
         assert self.logits is not None

@@ -328,14 +328,14 @@ class LLMEngine:
         """One forward + sample; with async scheduling, left in flight when every sequence samples
         and none asks for penalties or logprobs (those need the committed tokens on the host)."""
         sample_mask = sched.sample_mask()
-        device_tokens = None
+        device_inputs = None
         if flight is not None:  # every sequence of this step decodes the token pending in flight
             assert self._copies is not None
-            device_tokens = self._copies.feed(flight, sched.seqs)
+            device_inputs = self._copies.feed(flight, sched.seqs)
         prompt_rows = PromptRows.build(sched.seqs, sched.num_new_tokens, sample_mask)
         num_logits = [int(m) for m in sample_mask] if prompt_rows is None else prompt_rows.num_logits
         logits = self.model_runner.execute_model(
-            sched.seqs, sched.num_new_tokens, num_logits, device_tokens=device_tokens
+            sched.seqs, sched.num_new_tokens, num_logits, device_inputs=device_inputs
         )  # [N, V] float32, one row per sampling sequence (and prompt rows for prompt_logprobs)
         prompt_lp = None
         if prompt_rows is not None:

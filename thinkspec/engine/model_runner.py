@@ -332,14 +332,16 @@ class ModelRunner:
         num_logits: Seq[int],
         input_token_ids: Seq[Seq[int]] | None = None,
         start_positions: Seq[int] | None = None,
-        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+        device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward the batch, write its K/V into the pool, return logits [N, V] float32 for the
         selected rows (sequence after sequence, N = sum(num_logits)).
 
-        device_tokens = (index [M] int64, token ids [M] int64), both on the device, overwrites
-        input_ids[index] after the host copy: draft tokens that live on the device go straight in
-        without a device->host round trip (their host-side input_token_ids entries are placeholders).
+        device_inputs = (index [M] int64, values [M] int64), both on the device, overwrites the
+        packed inputs (InputLayout) at index after the host copy: values that live on the device go
+        straight in without a device->host round trip. input_ids come first in the layout, so index i <
+        num_tokens is token row i (draft tokens); the run-ahead forward also writes positions, slots
+        and seq_lens (DraftModelProposer.run_ahead). The host entries they replace are placeholders.
 
         With CUDA graphs the logits are a view of a static buffer that this runner's next
         execute_model overwrites: consume (or clone) them before calling it again.
@@ -347,39 +349,42 @@ class ModelRunner:
         """
         if not seqs:
             raise ValueError("execute_model needs at least one sequence")
-        width = max(len(s.block_table) for s in seqs)
-        key = None
-        if self.graphs is not None and self.use_cuda_graphs:
-            key = self.graphs.spec.select(num_new_tokens, num_logits, width)
-        if key is not None:
-            assert self.graphs is not None
-            layout = self.graphs.layout(key, width)
-        else:
-            layout = InputLayout(int(sum(num_new_tokens)), int(sum(num_logits)), len(seqs), width)
+        key, layout = self.step_layout(num_new_tokens, num_logits, max(len(s.block_table) for s in seqs))
         buf = self._host_buffer(layout.size)
         max_q, max_len = pack_batch(
             buf.numpy(), layout, seqs, num_new_tokens, num_logits, self.block_size,
             input_token_ids, start_positions,
         )  # fmt: skip
-        m = 0 if device_tokens is None else int(device_tokens[0].numel())
+        m = 0 if device_inputs is None else int(device_inputs[0].numel())
         header = StepHeader(
             self.runner_index, *(key or (0, 0)), layout.num_tokens, layout.num_rows, layout.num_seqs,
             layout.width, max_q, max_len, int(sum(num_logits)), m,
         )  # fmt: skip
         if self.channel is None:
-            return self.run_step(header, buf[: layout.size], device_tokens)
+            return self.run_step(header, buf[: layout.size], device_inputs)
         try:
             self.channel.send_header(header)
-            return self.run_step(header, buf[: layout.size], device_tokens)
+            return self.run_step(header, buf[: layout.size], device_inputs)
         except Exception as e:
             # the other ranks may be stuck in this step's collectives: the group is unusable now
             raise self.channel.fail(e) from e
+
+    def step_layout(
+        self, num_new_tokens: Seq[int], num_logits: Seq[int], width: int
+    ) -> tuple[tuple[int, int] | None, InputLayout]:
+        """(graph key or None, layout of the packed inputs) of the step execute_model runs for this
+        batch (width: its widest block table), so that a caller can address device_inputs."""
+        if self.graphs is not None and self.use_cuda_graphs:
+            key = self.graphs.spec.select(num_new_tokens, num_logits, width)
+            if key is not None:
+                return key, self.graphs.layout(key, width)
+        return None, InputLayout(int(sum(num_new_tokens)), int(sum(num_logits)), len(num_new_tokens), width)
 
     def run_step(
         self,
         header: StepHeader,
         host: torch.Tensor | None,
-        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+        device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run one packed step (every rank of a tensor-parallel model runs it together).
 
@@ -399,8 +404,8 @@ class ModelRunner:
                 self._copy_done.record()
             if channel is not None:
                 channel.broadcast(dst)
-                device_tokens = channel.share_device_tokens(header, device_tokens)
-            return graphs.replay(key, layout, header.num_out_rows, device_tokens)
+                device_inputs = channel.share_device_inputs(header, device_inputs)
+            return graphs.replay(key, layout, header.num_out_rows, device_inputs)
         layout = header.layout
         if host is not None:
             dev = self._to_device(host)
@@ -408,7 +413,9 @@ class ModelRunner:
             dev = torch.empty(layout.size, dtype=torch.int64, device=self.device)
         if channel is not None:
             channel.broadcast(dev)
-            device_tokens = channel.share_device_tokens(header, device_tokens)
+            device_inputs = channel.share_device_inputs(header, device_inputs)
+        if device_inputs is not None:
+            dev = dev.index_put((device_inputs[0],), device_inputs[1])  # not in place: dev may be `host`
         parts = layout.split(dev)
         meta = AttentionMetadata(
             query_start_loc=parts[4].to(torch.int32),
@@ -418,11 +425,8 @@ class ModelRunner:
             max_query_len=header.max_query_len,
             max_seq_len=header.max_seq_len,
         )
-        input_ids = parts[0]
-        if device_tokens is not None:
-            input_ids = input_ids.index_put((device_tokens[0],), device_tokens[1])
         with forward_context(meta):
-            hidden = self.model(input_ids, parts[1])  # [T, H]
+            hidden = self.model(parts[0], parts[1])  # [T, H]
         return self.model.compute_logits(hidden[parts[3]])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from thinkspec.spec_decode.draft_length import (
     drain_weights,
     group_of,
 )
-from thinkspec.spec_decode.draft_model import CATCH_UP_WIDTH, DraftModelProposer, draft_behind
+from thinkspec.spec_decode.draft_model import DraftModelProposer, draft_behind
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.ngram import NgramProposer
 from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput, Proposer
@@ -62,7 +63,7 @@ class VerifyBatch:
     num_new: list[int]  # [M] tokens each sequence feeds the target
     num_logits: list[int]  # [M] logits rows each sequence wants
     input_ids: list[list[int]]  # [M] host-side inputs (device-held drafts as 0 placeholders)
-    device_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (packed positions [D], draft ids [D])
+    device_inputs: tuple[torch.Tensor, torch.Tensor] | None  # (token rows [D], draft ids [D])
 
     @property
     def spec_of(self) -> dict[int, int]:
@@ -111,7 +112,10 @@ class HostPack:
         thinking_before: torch.Tensor | None,  # [S, k] bool
         k: int,
         extra: list[torch.Tensor] | None = None,  # flat int64 tensors (LogprobsTensors.pack())
+        then: Callable[[], None] | None = None,
     ) -> HostPack:
+        """One device->host copy of it all; `then` runs once the copy is queued, before the host waits
+        for it (device work queued there runs after the copy, while the host waits and goes on)."""
         parts = [plain] if plain is not None else []
         extra = extra or []
         num_extra = sum(t.numel() for t in extra)
@@ -124,7 +128,21 @@ class HostPack:
             ]
             parts.append(torch.cat(columns, dim=1).flatten())
         parts += extra
-        host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.int64)
+        if not parts:
+            host = np.zeros(0, dtype=np.int64)
+        elif then is not None and parts[0].is_cuda:
+            flat = torch.cat(parts)
+            pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            pinned.copy_(flat, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            then()
+            copied.synchronize()
+            host = pinned.numpy()
+        else:
+            host = torch.cat(parts).cpu().numpy()
+            if then is not None:
+                then()
         num_plain = 0 if plain is None else plain.numel()
         spec = host[num_plain : host.size - num_extra].reshape(-1, 3 * k + 2)
         return cls(
@@ -194,16 +212,6 @@ def _decode_rows(seqs: list[Sequence], num_new: list[int], sample_mask: list[boo
         for i, (seq, n, m) in enumerate(zip(seqs, num_new, sample_mask))
         if m and n == 1 and seq.num_output_tokens > 0
     ]
-
-
-def _stops(seq: Sequence, new: list[int]) -> bool:
-    """Whether committing new tokens stops seq on a token id (a stop token, or EOS) past min_tokens,
-    as commit_token does; stop strings are not looked at."""
-    params = seq.sampling_params
-    stops = params.stop_token_ids or ()
-    eos = () if params.ignore_eos else seq.eos_token_ids
-    first = seq.num_output_tokens + 1  # output tokens once new[0] is appended
-    return any(first + j >= params.min_tokens and (t in stops or t in eos) for j, t in enumerate(new))
 
 
 def _budget(params) -> int:
@@ -439,7 +447,7 @@ class Speculator:
         batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal, prompt_rows)
         logits = self.target_runner.execute_model(
             seqs, batch.num_new, batch.num_logits, input_token_ids=batch.input_ids,
-            device_tokens=batch.device_tokens,
+            device_inputs=batch.device_inputs,
         )  # fmt: skip  # [N, V] float32
         plain_rows, windows = batch.logits_rows(k, sample_mask)
         spec_of = batch.spec_of
@@ -455,9 +463,19 @@ class Speculator:
         packed = [t.pack() for t in (plain_lp, spec_lp, prompt_lp) if t is not None]
         if choice is not None:
             self.learn()  # while the device runs this step's forwards
-        host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed)
+        ahead = None
         if self.run_ahead and result is not None and len(spec_index) == len(seqs) and prompt_rows is None:
-            self._run_ahead(seqs, proposal, host)
+            ahead = self._ahead_proposer(seqs, proposal)
+        run_ahead = None
+        if ahead is not None:
+            assert result is not None
+
+            def run_ahead() -> None:
+                ahead.run_ahead(seqs, proposal.num_drafts, result.output_token_ids, result.num_accepted)
+
+        host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed, then=run_ahead)
+        if ahead is not None:
+            ahead.settle_ahead(host.tokens, host.num_accepted)
         if choice is not None:
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
@@ -473,43 +491,24 @@ class Speculator:
 
     # ---- stages --------------------------------------------------------------------------------
 
-    def _run_ahead(self, seqs: list[Sequence], proposal: Proposal, host: HostPack) -> None:
-        """A step whose rows all drafted: run the next step's forward 1 now, from the tokens on the
-        host, so that the device works while the host commits and schedules (see
-        DraftModelProposer.run_ahead). It feeds the rows that will still draft next step, as far as
-        the host can tell now; rows this step finishes (by length, a stop token id or EOS) are left
-        out, as the next step leaves them out. A row that will not draft next step as it drafted this
-        one (no draft this step, room for no draft next step, its KV blocks not yet holding the
-        positions, a draft K/V more than the graphs' forward 1 covers behind) and the step runs
-        nothing ahead; a request that stops on a string, or a step that drafts otherwise, just runs
-        its own forward 1."""
+    def _ahead_proposer(self, seqs: list[Sequence], proposal: Proposal) -> DraftModelProposer | None:
+        """The draft proposer when this step, whose rows all speculate, may run the next step's forward
+        1 ahead (DraftModelProposer.run_ahead), else None: every row drafted and holds KV slots up to
+        the last position the forward may feed (one past its window: reserved with the step's), not
+        every row may finish by length in this step (nothing would use the forward), and there are
+        at most RUN_AHEAD_MAX_ROWS rows."""
         proposer = self.proposer
         if not isinstance(proposer, DraftModelProposer) or proposal.draft_computed is None:
-            return
+            return None
         if len(seqs) > RUN_AHEAD_MAX_ROWS:
-            return
+            return None
         block_size = proposer.runner.block_size
-        rows, starts, tokens = [], [], []
-        for b, seq in enumerate(seqs):
-            if proposal.num_drafts[b] == 0:
-                return
-            new = host.tokens[b, : int(host.num_accepted[b]) + 1].tolist()
-            left = self.tokens_left(seq) - len(new)
-            if left == 1:  # it stays, with no room to draft: the next step feeds it without logits
-                return
-            if left <= 0 or _stops(seq, new):  # this step finishes it: the next one leaves it out
-                continue
-            num_tokens, end = seq.num_tokens, seq.num_tokens + len(new)  # the sequence after the commit
-            start = min(proposal.draft_computed[b], seq.num_computed_tokens + len(new))  # as _outcomes
-            if end - start > CATCH_UP_WIDTH or len(seq.block_table) * block_size < end:
-                return
-            rows.append(seq)
-            starts.append(start)
-            tokens.append(
-                [seq.token_ids[p] if p < num_tokens else new[p - num_tokens] for p in range(start, end)]
-            )
-        if rows:
-            proposer.run_ahead(rows, starts, tokens)
+        stays = False
+        for seq, m in zip(seqs, proposal.num_drafts):
+            if m == 0 or len(seq.block_table) * block_size < seq.num_tokens + m + 1:
+                return None
+            stays = stays or self.tokens_left(seq) > m + 1  # it emits at most m + 1 tokens now
+        return proposer if stays else None
 
     def _choose(
         self, seqs: list[Sequence], decodes: list[int]
@@ -566,7 +565,7 @@ class Speculator:
         prompt_rows: PromptRows | None = None,
     ) -> VerifyBatch:
         """Inputs of the target forward: unchanged chunks for plain rows, [last token, drafts] windows
-        for speculating rows (drafts made on the device go in through device_tokens)."""
+        for speculating rows (drafts made on the device go in through device_inputs)."""
         k = proposal.draft_token_ids.shape[1]
         spec_of = {i: b for b, i in enumerate(spec_index)}
         num_new, num_logits, input_ids = [], [], []
@@ -590,12 +589,12 @@ class Speculator:
                     dev_pos.extend(range(offset + 1, offset + 1 + nd))
                     dev_src.extend(range(b * k, b * k + nd))
             offset += num_new[-1]
-        device_tokens = None
+        device_inputs = None
         if dev_pos:
             index = torch.tensor(dev_pos, dtype=torch.long).to(self.device, non_blocking=True)
             src = torch.tensor(dev_src, dtype=torch.long).to(self.device, non_blocking=True)
-            device_tokens = (index, proposal.draft_token_ids.view(-1)[src])
-        return VerifyBatch(spec_index, proposal.num_drafts, num_new, num_logits, input_ids, device_tokens)
+            device_inputs = (index, proposal.draft_token_ids.view(-1)[src])
+        return VerifyBatch(spec_index, proposal.num_drafts, num_new, num_logits, input_ids, device_inputs)
 
     def _sample_plain(
         self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]

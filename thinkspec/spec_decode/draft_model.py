@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from thinkspec.models.loader import ModelInfo
@@ -57,8 +58,8 @@ def _blocks_fed(seq: Sequence, start: int, n: int, block_size: int) -> list[int]
 
 @dataclass(slots=True)
 class ForwardAhead:
-    """Forward 1 of the next step, run before this step's tokens are committed (run_ahead): the rows
-    it fed, and the logits of their last positions."""
+    """Forward 1 of the next step, run before this step's tokens reached the host (run_ahead): the
+    rows it fed, and the logits of their last positions."""
 
     seqs: list[Sequence]
     starts: list[int]  # [R] first position fed
@@ -68,19 +69,28 @@ class ForwardAhead:
 
     def serves(
         self, seqs: Seq[Sequence], num: Seq[int], starts: Seq[int], want: Seq[int], block_size: int
-    ) -> bool:
-        """Whether forward 1 as _catch_up would run it (every row wanting its logits) is this one:
-        the same sequences, positions, tokens and KV blocks."""
-        if len(seqs) != len(self.seqs) or list(starts) != self.starts or not all(want):
-            return False
-        for seq, ahead, n, start, tokens, blocks in zip(
-            seqs, self.seqs, num, starts, self.tokens, self.blocks
-        ):
-            if seq is not ahead or n != len(tokens) or seq.token_ids[start : start + n] != tokens:
-                return False
-            if _blocks_fed(seq, start, n, block_size) != blocks:
-                return False
-        return True
+    ) -> list[int] | None:
+        """The rows of self.logits that forward 1 as _catch_up would run it wants (want[i] = 1), when
+        this forward fed every one of its sequences what it would, else None: the same sequence
+        object, ending at the same position and starting no later, with the same tokens there and
+        the same KV blocks. The extra positions it fed hold committed tokens, whose K/V is what a
+        later forward would write there; rows it fed that the step leaves out (finished) are unused."""
+        index = {id(s): r for r, s in enumerate(self.seqs)}
+        rows = []
+        for seq, n, start, w in zip(seqs, num, starts, want):
+            r = index.get(id(seq))
+            if r is None:
+                return None
+            first, tokens = self.starts[r], self.tokens[r]
+            if first > start or first + len(tokens) != start + n:
+                return None
+            if seq.token_ids[first : start + n] != tokens:
+                return None
+            if _blocks_fed(seq, first, len(tokens), block_size) != self.blocks[r]:
+                return None
+            if w:
+                rows.append(r)
+        return rows
 
 
 class DraftModelProposer:
@@ -93,23 +103,78 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
         self.device = runner.device
         self._ahead: ForwardAhead | None = None  # see run_ahead
+        self._launched: tuple[list[Sequence], torch.Tensor] | None = None  # run_ahead until settle_ahead
         self._rows = torch.arange(16, device=self.device)  # see _row_index
         self.num_run_ahead = 0  # forwards run ahead, and of them those a step used
         self.num_used_ahead = 0
 
-    def run_ahead(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]]) -> None:
-        """Run the next step's forward 1 now, for decode rows whose next tokens (tokens[r], fed at
-        starts[r] ...) the host knows before it commits them: the device works through it while the
-        host commits this step and schedules the next. That step's forward 1 takes these logits if it
-        is the same forward (ForwardAhead.serves), else runs as usual; either way the K/V written here
-        is that of committed tokens at their positions, which a later forward would write the same."""
-        bs = self.runner.block_size
-        blocks = [_blocks_fed(s, p, len(t), bs) for s, p, t in zip(seqs, starts, tokens)]
+    def run_ahead(
+        self,
+        seqs: list[Sequence],
+        num_drafts: Seq[int],  # [R] drafts each row's window verified
+        output_token_ids: torch.Tensor,  # [R, k+1] int64 on the device: accepted drafts, emitted token
+        num_accepted: torch.Tensor,  # [R] on the device
+    ) -> None:
+        """Run the next step's forward 1 now, before this step's outcome reaches the host, so that the
+        device works through it while the host waits for the copy, commits and schedules. Row r ends
+        at E = num_tokens + a + 1 after the commit (a = num_accepted[r]); the forward feeds its last
+        two tokens, at E-2 and E-1, taken on the device (device_inputs): E-1 is always new, E-2 is the
+        last accepted draft, which the draft has not fed when every draft was accepted. Every row must
+        have drafted (its draft K/V holds num_tokens - 1 + num_drafts positions) and hold KV slots up
+        to num_tokens + num_drafts. The next step takes the logits when its forward 1 would be this
+        one (settle_ahead, ForwardAhead.serves), else runs its own; either way the K/V written here is
+        that of committed tokens at their positions (rows the step finishes included: their blocks
+        are freed after this forward in stream order)."""
+        r, bs = len(seqs), self.runner.block_size
+        width = output_token_ids.shape[1]  # k + 1
+        _, layout = self.runner.step_layout([2] * r, [1] * r, max(len(s.block_table) for s in seqs))
+        # host: num_tokens [R], the token before the window [R], slots of positions
+        # num_tokens - 1 ... num_tokens + k [R, k+2] (-1 past the table), flat indexes [7R]
+        host = np.full(r * (width + 3) + 7 * r, -1, dtype=np.int64)
+        n, before = host[:r], host[r : 2 * r]
+        slots = host[2 * r : r * (width + 3)].reshape(r, width + 1)
+        for i, seq in enumerate(seqs):
+            n[i], before[i] = seq.num_tokens, seq.token_ids[-1]
+            table = seq.block_table
+            for j, p in enumerate(range(seq.num_tokens - 1, min(seq.num_tokens + width, len(table) * bs))):
+                slots[i, j] = table[p // bs] * bs + p % bs
+        o = layout.offsets  # input_ids, positions, slot_mapping at o[0..2]; seq_lens at o[5]
+        two = np.arange(2 * r)
+        host[r * (width + 3) :] = np.concatenate([o[0] + two, o[1] + two, o[2] + two, o[5] + np.arange(r)])
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        n_d, before_d = dev[:r], dev[r : 2 * r]
+        slots_d = dev[2 * r : r * (width + 3)].view(r, width + 1)
+        a = num_accepted.long()  # [R]
+        end = n_d + a + 1
+        at = torch.stack([a - 1, a], dim=1)  # [R, 2] columns of output_token_ids at E-2, E-1
+        ids = output_token_ids.gather(1, at.clamp(min=0))
+        ids[:, 0] = torch.where(a > 0, ids[:, 0], before_d)
+        pos = torch.stack([end - 2, end - 1], dim=1)
+        slot = slots_d.gather(1, at + 1)
+        values = torch.cat([ids.flatten(), pos.flatten(), slot.flatten(), end])
+        # placeholders: the window of every draft accepted (the longest context, as a graph sizes it)
+        starts = [s.num_tokens + m - 1 for s, m in zip(seqs, num_drafts)]
         logits = self.runner.execute_model(
-            seqs, [len(t) for t in tokens], [1] * len(seqs), input_token_ids=tokens, start_positions=starts
-        )
-        self._ahead = ForwardAhead(list(seqs), list(starts), tokens, blocks, logits.clone())
+            seqs, [2] * r, [1] * r, input_token_ids=[[0, 0]] * r, start_positions=starts,
+            device_inputs=(dev[r * (width + 3) :], values),
+        )  # fmt: skip
+        self._launched = (list(seqs), logits.clone())
         self.num_run_ahead += 1
+
+    def settle_ahead(self, tokens: np.ndarray, num_accepted: np.ndarray) -> None:
+        """run_ahead's outcome on the host (before the commit): what its forward fed, from the step's
+        tokens [R, k+1] and num_accepted [R], kept for the next step's forward 1."""
+        assert self._launched is not None, "settle_ahead without run_ahead"
+        (seqs, logits), self._launched = self._launched, None
+        bs = self.runner.block_size
+        starts, fed, blocks = [], [], []
+        for r, seq in enumerate(seqs):
+            a = int(num_accepted[r])
+            prev = int(tokens[r, a - 1]) if a else seq.token_ids[-1]
+            starts.append(seq.num_tokens + a - 1)
+            fed.append([prev, int(tokens[r, a])])
+            blocks.append(_blocks_fed(seq, starts[-1], 2, bs))
+        self._ahead = ForwardAhead(seqs, starts, fed, blocks, logits)
 
     def propose(self, batch: ProposalInput) -> Proposal:
         """Run the draft over this step's batch and propose max_drafts[b] tokens for each speculating
@@ -142,7 +207,7 @@ class DraftModelProposer:
                     [1] * len(rows),
                     input_token_ids=[[0]] * len(rows),
                     start_positions=[s.num_tokens - 1 + j for s in row_seqs],
-                    device_tokens=(self._row_index(len(rows)), drafts[rows_t, j - 1]),
+                    device_inputs=(self._row_index(len(rows)), drafts[rows_t, j - 1]),
                 )
                 for b in rows:
                     computed[spec_index[b]] = seqs[spec_index[b]].num_tokens + j
@@ -187,9 +252,14 @@ class DraftModelProposer:
             computed[i] = end
         if not f_seqs:
             return None
-        if ahead is not None and ahead.serves(f_seqs, f_num, f_start, f_logits, self.runner.block_size):
+        bs = self.runner.block_size
+        rows = None if ahead is None else ahead.serves(f_seqs, f_num, f_start, f_logits, bs)
+        if rows is not None:
+            assert ahead is not None
             self.num_used_ahead += 1
-            return ahead.logits
+            if rows == list(range(len(ahead.seqs))):
+                return ahead.logits
+            return ahead.logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
         return self.runner.execute_model(f_seqs, f_num, f_logits, start_positions=f_start)
 
     def _sample(
