@@ -463,19 +463,20 @@ class Speculator:
         packed = [t.pack() for t in (plain_lp, spec_lp, prompt_lp) if t is not None]
         if choice is not None:
             self.learn()  # while the device runs this step's forwards
-        ahead = None
+        # the next step's forward 1, queued behind the copy (see DraftModelProposer.run_ahead)
+        drafter = launch = None
         if self.run_ahead and result is not None and len(spec_index) == len(seqs) and prompt_rows is None:
-            ahead = self._ahead_proposer(seqs, proposal)
-        run_ahead = None
-        if ahead is not None:
+            drafter = self._ahead_proposer(seqs, proposal)
+        if drafter is not None:
             assert result is not None
+            out, accepted = result.output_token_ids, result.num_accepted
 
-            def run_ahead() -> None:
-                ahead.run_ahead(seqs, proposal.num_drafts, result.output_token_ids, result.num_accepted)
+            def launch() -> None:
+                drafter.run_ahead(seqs, proposal.num_drafts, out, accepted)
 
-        host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed, then=run_ahead)
-        if ahead is not None:
-            ahead.settle_ahead(host.tokens, host.num_accepted)
+        host = HostPack.fetch(plain_tokens, result, thinking_before, k, packed, then=launch)
+        if drafter is not None:
+            drafter.settle_ahead(host.tokens, host.num_accepted)
         if choice is not None:
             groups = np.asarray(choice[2], dtype=np.int64)
             nd = np.asarray(batch.num_drafts, dtype=np.int64)
