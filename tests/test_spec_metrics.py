@@ -237,3 +237,24 @@ def test_per_request_rows_accumulate_as_the_batch_path_over_random_steps():
             slow[i].observe_step(step, [i])
     assert fast == slow
     assert any(m.phase(None).num_relaxed_accepted_tokens for m in fast)
+
+
+def test_small_steps_count_in_python_as_numpy_does(monkeypatch):
+    """Steps of up to SMALL_STEP_ROWS rows are counted in Python (their numpy calls cost more than the
+    work, on the host's path between steps): the same packed rows and sums as the numpy count, over
+    random steps (K = 0 included), for all rows, a slice and a list of rows."""
+    from thinkspec.spec_decode import metrics
+
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        b, k = int(rng.integers(1, metrics.SMALL_STEP_ROWS + 1)), int(rng.integers(0, 9))
+        nd = rng.integers(0, k + 1, size=b)
+        na = np.array([rng.integers(0, d + 1) for d in nd])
+        args = (nd, na, rng.random((b, k)) < 0.3, rng.random((b, k)) < 0.6)
+        small = SpecDecodeStep.from_tensors(*args)
+        rows = [None, slice(1, None), sorted(set(rng.integers(0, b, size=2).tolist()))]
+        got = small.row_lists(), [small.packed_sum(r) for r in rows]
+        monkeypatch.setattr(metrics, "SMALL_STEP_ROWS", 0)
+        large = SpecDecodeStep.from_tensors(*args)
+        assert got == (large.row_lists(), [large.packed_sum(r) for r in rows])
+        monkeypatch.undo()

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 PHASES = ("thinking", "answer")
+# Steps of up to this many rows are counted in Python (SpecDecodeStep._count_rows), larger ones with numpy.
+SMALL_STEP_ROWS = 8
 
 
 def _ratio(num: float, den: float) -> float:
@@ -85,7 +87,7 @@ class PhaseCounters:
         self.draft_length_histogram = _add_lists(self.draft_length_histogram, other.draft_length_histogram)
         return self
 
-    def add_packed(self, values: list[int]) -> None:  # [5 + 2K] ints, as from_packed reads them
+    def add_packed(self, values: list[int]) -> None:  # [5 + 2K] ints: 5 scalars, drafted, accepted per pos
         """Add one packed row in place (per-request accumulation: no intermediate objects)."""
         k = (len(values) - 5) // 2
         self.num_drafts += values[0]
@@ -95,12 +97,6 @@ class PhaseCounters:
         self.num_emitted_tokens += values[4]
         _add_into(self.num_draft_tokens_per_pos, values, 5, k)
         _add_into(self.num_accepted_tokens_per_pos, values, 5 + k, k)
-
-    @classmethod
-    def from_packed(cls, packed: np.ndarray) -> PhaseCounters:  # [5 + 2K] int64
-        values = packed.tolist()
-        k = (len(values) - 5) // 2
-        return cls(*values[:5], values[5 : 5 + k], values[5 + k :])
 
     def copy(self) -> PhaseCounters:
         return PhaseCounters().merge(self)
@@ -194,12 +190,13 @@ class SpecDecodeStep:
                 step.thinking_before.shape,
             )
         k = step.relaxed_accepted.shape[1]
-        if (step.num_draft_tokens < 0).any() or (step.num_draft_tokens > k).any():
-            raise ValueError(f"num_draft_tokens must be in [0, {k}], got {step.num_draft_tokens.tolist()}")
-        if (step.num_accepted < 0).any() or (step.num_accepted > step.num_draft_tokens).any():
+        # on Python ints: numpy's small reductions cost tens of microseconds each between two steps
+        nd, na = step.num_draft_tokens.tolist(), step.num_accepted.tolist()
+        if any(n < 0 or n > k for n in nd):
+            raise ValueError(f"num_draft_tokens must be in [0, {k}], got {nd}")
+        if any(a < 0 or a > n for a, n in zip(na, nd)):
             raise ValueError(
-                f"num_accepted must be in [0, num_draft_tokens], got {step.num_accepted.tolist()} "
-                f"for num_draft_tokens {step.num_draft_tokens.tolist()}"
+                f"num_accepted must be in [0, num_draft_tokens], got {na} for num_draft_tokens {nd}"
             )
         return step
 
@@ -212,7 +209,7 @@ class SpecDecodeStep:
             )
 
     def per_row(self) -> np.ndarray:  # [B, 2, 5 + 2K] int64, computed once per step
-        """Each row's counters for (thinking, answer), packed as `PhaseCounters.from_packed` reads them.
+        """Each row's counters for (thinking, answer), packed as `PhaseCounters.add_packed` reads them.
 
         Per-request accumulation indexes this array instead of recounting, so keeping one
         SpecDecodeMetrics per request costs a few Python additions per request and step.
@@ -239,23 +236,44 @@ class SpecDecodeStep:
 
     def row_lists(self) -> list[list[list[int]]]:  # [B][2][5 + 2K] ints, per_row() as lists, once per step
         if self._row_lists is None:
-            self._row_lists = self.per_row().tolist()
+            if len(self.num_accepted) <= SMALL_STEP_ROWS:
+                self._row_lists = self._count_rows()
+            else:
+                self._row_lists = self.per_row().tolist()
         return self._row_lists
 
-    def counters(
-        self, rows: int | slice | Sequence[int] | np.ndarray | None = None
-    ) -> dict[str, PhaseCounters]:
-        """Per-phase counters of the selected rows (all rows when None)."""
+    def _count_rows(self) -> list[list[list[int]]]:  # [B][2][5 + 2K] ints: per_row's counts, in Python
+        """per_row() for a few rows, where numpy's cost per call outweighs the work (a step's metrics
+        are on the host's path between two steps)."""
+        k = self.relaxed_accepted.shape[1]
+        out = []
+        for n, a, relaxed, thinking in zip(
+            self.num_draft_tokens.tolist(), self.num_accepted.tolist(),
+            self.relaxed_accepted.tolist(), self.thinking_before.tolist(),
+        ):  # fmt: skip
+            row = []
+            for phase in (True, False):
+                d = [int(j < n and thinking[j] == phase) for j in range(k)]
+                acc = [int(j < a and thinking[j] == phase) for j in range(k)]
+                step = int(n >= 1 and k > 0 and thinking[0] == phase)
+                relaxed_acc = sum(x for x, r in zip(acc, relaxed) if r)
+                row.append([step, sum(d), sum(acc), relaxed_acc, step * (a + 1), *d, *acc])
+            out.append(row)
+        return out
+
+    def packed_sum(self, rows: slice | Sequence[int] | np.ndarray | None = None) -> list[list[int]]:
+        """[2][5 + 2K] ints: the selected rows' packed counters (all rows when None) for (thinking,
+        answer), summed, as PhaseCounters.add_packed reads them."""
+        if len(self.num_accepted) <= SMALL_STEP_ROWS and not isinstance(rows, np.ndarray):
+            lists = self.row_lists()
+            if rows is None or isinstance(rows, slice):
+                picked = lists[slice(None) if rows is None else rows]
+            else:
+                picked = [lists[i] for i in rows]
+            width = 5 + 2 * self.relaxed_accepted.shape[1]
+            return [[sum(r[p][c] for r in picked) for c in range(width)] for p in range(2)]
         per_row = self.per_row()
-        packed = (
-            per_row[rows]
-            if isinstance(rows, (int, np.integer))
-            else per_row[slice(None) if rows is None else rows].sum(0)
-        )
-        return {
-            "thinking": PhaseCounters.from_packed(packed[0]),
-            "answer": PhaseCounters.from_packed(packed[1]),
-        }
+        return per_row[slice(None) if rows is None else rows].sum(0).tolist()
 
 
 @dataclass(slots=True)
@@ -290,9 +308,9 @@ class SpecDecodeMetrics:
             self.thinking.add_packed(thinking)
             self.answer.add_packed(answer)
             return self
-        counters = step.counters(request_index)
-        self.thinking.merge(counters["thinking"])
-        self.answer.merge(counters["answer"])
+        thinking, answer = step.packed_sum(request_index)  # several rows: one sum, no objects
+        self.thinking.add_packed(thinking)
+        self.answer.add_packed(answer)
         return self
 
     def observe_draft_lengths(
