@@ -130,27 +130,33 @@ def _event() -> torch.cuda.Event:
 
 def device_phases(engine, steps: int) -> dict[str, float]:
     """Median device ms per step between consecutive marks, keyed "a|b" (a draft forward's own time is
-    "draft_forward<|draft_forward>"; "x>|y<" is eager work, or an idle device, between two calls)."""
+    "draft_forward<|draft_forward>"; "x>|y<" is eager work, or an idle device, between two calls).
+    The steps run back to back, as generate() runs them (one synchronisation after the last), so work
+    queued ahead of a step (the forward run ahead) is still running when its "step<" mark is reached."""
     marks: list[tuple[str, torch.cuda.Event]] = []
     restore = []
     for path, name in DEVICE_MARKS:
         restore.append(_mark(*_owner(engine, path), name, marks))
-    per_step = []
+    recorded = []
     for _ in range(steps):
-        marks.clear()
         marks.append(("step<", _event()))
         engine.step(finished_only=True)
         marks.append(("step>", _event()))
-        torch.cuda.synchronize()
+        recorded.append(list(marks))
+        marks.clear()
+    torch.cuda.synchronize()
+    per_step = []
+    for step_marks in recorded:
         sums: dict[str, float] = defaultdict(float)
         seen: dict[str, int] = defaultdict(int)
-        for (a, ea), (b, eb) in zip(marks, marks[1:]):
+        for (a, ea), (b, eb) in zip(step_marks, step_marks[1:]):
             key = f"{a}|{b}"
             seen[key] += 1
             if key == "draft_forward<|draft_forward>" and seen[key] == 1:
-                key = "draft_forward<|draft_forward> (first)"  # the catch-up forward
+                # the step's first draft forward call: forward 1, or 2 when forward 1 ran ahead
+                key = "draft_forward<|draft_forward> (first)"
             sums[key] += ea.elapsed_time(eb)
-        sums["step"] = marks[0][1].elapsed_time(marks[-1][1])
+        sums["step"] = step_marks[0][1].elapsed_time(step_marks[-1][1])
         per_step.append(sums)
     for undo in restore:  # the marks' own host time stays out of what runs after
         undo()
