@@ -157,7 +157,8 @@ def main() -> None:
         "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512), "
         "'noearly' (pdl.EARLY_RELEASE off: at one and two rows kernels no longer let the next one in right "
         "after their wait, nor the GEMV read its first weight tile before it, thinkspec_noearly); "
-        "comma-separated",
+        "'noprefetch' (pdl.PREFETCH off: attention and the q/k norm + rotary read nothing before their wait, "
+        "thinkspec_noprefetch); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -210,7 +211,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly", "noprefetch")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -221,7 +222,7 @@ def main() -> None:
         result["weight_bytes"] = weight_bytes
         result["floor_ms_per_step"] = weight_bytes / args.bandwidth * 1e3
         use_pdl = pdl.ENABLED  # process-wide and read at launch: set before each engine runs (and captures)
-        early = pdl.EARLY_RELEASE  # the same
+        early, prefetch = pdl.EARLY_RELEASE, pdl.PREFETCH  # the same
         small_n = gemv_triton.SMALL_N  # the same: gemv_config reads it per launch (0: no few-outputs rule)
         plain = [("thinkspec", llm, True), ("thinkspec_sync", llm, False)]
         for variant in variants:  # changed before their first run captures their graphs
@@ -248,6 +249,7 @@ def main() -> None:
                 for name, engine, overlap in plain:
                     pdl.ENABLED = use_pdl and name != "thinkspec_nopdl"
                     pdl.EARLY_RELEASE = early and name != "thinkspec_noearly"
+                    pdl.PREFETCH = prefetch and name != "thinkspec_noprefetch"
                     gemv_triton.SMALL_N = 0 if name == "thinkspec_gemv512" else small_n
                     engine.llm_engine.async_scheduling = overlap and device.type == "cuda"
                     reps[name].append(time_thinkspec(engine, prompts, args.output_len, warm_up=rep == 0)[::2])
@@ -258,7 +260,7 @@ def main() -> None:
                 record(
                     {"engine": name, "batch": b, "seconds": med, "seconds_reps": seconds, "steps": step_times}
                 )
-        pdl.ENABLED, gemv_triton.SMALL_N, pdl.EARLY_RELEASE = use_pdl, small_n, early
+        pdl.ENABLED, gemv_triton.SMALL_N, pdl.EARLY_RELEASE, pdl.PREFETCH = use_pdl, small_n, early, prefetch
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)

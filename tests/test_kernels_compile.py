@@ -67,8 +67,13 @@ def compile_sm90(
         assert "griddepcontrol.launch_dependents" in ptx
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
         before_wait = ptx[: ptx.index("griddepcontrol.wait")]
-        memory = re.search(r"\b(ld|st|atom|red|cp\.async)\.global", before_wait)
+        # pdl.PREFETCH kernels read inputs no kernel of the forward writes before the wait, and ask for
+        # lines in L2; nothing may be stored before it
+        reads = "" if constexprs.get("PREFETCH") or constexprs.get("PREFETCH_LINES") else "ld|"
+        memory = re.search(rf"\b({reads}st|atom|red|cp\.async)\.global", before_wait)
         assert not memory, f"{kernel.fn.__name__}: memory access before the wait"
+        if constexprs.get("PREFETCH_LINES"):
+            assert "prefetch.global.L2" in before_wait, "no L2 prefetch before the wait"
     return compiled
 
 
@@ -98,15 +103,19 @@ def test_rms_norm_compiles(dtype, residual, pdl):
     compile_sm90(ft._rms_norm_kernel, ptrs, constexprs, 8, **ft._COMPILE)
 
 
-@pytest.mark.parametrize(("store_kv", "pdl"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("store_kv", "pdl", "prefetch"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+)
 @pytest.mark.parametrize("block_h", [1, 4])
 @pytest.mark.parametrize("has_norm", [False, True])
-def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl):
+def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl, prefetch):
+    # prefetch (pdl.PREFETCH): the position and rotary row are read before the wait, nothing stored
     ptrs = _all("bf16", "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")
     ptrs.update(_all("bf16", "k_cache_ptr", "v_cache_ptr"), pos_ptr="i64", cache_ptr="fp32", slot_ptr="i64")
     constexprs = {
         "HAS_NORM": has_norm, "HEAD_DIM": 128, "BLOCK_H": block_h, "BLOCK_HALF": 64, "STORE_KV": store_kv,
-        "PDL": pdl,
+        "PREFETCH": prefetch, "PDL": pdl,
     }  # fmt: skip
     compile_sm90(
         ft._qk_norm_rope_kernel, ptrs, constexprs, min(max(block_h * 64 // 128, 1), 4), **ft._COMPILE
@@ -142,11 +151,13 @@ def _attention_pointers(dtype: str, splits: int) -> dict[str, str]:
 )  # fmt: skip
 def test_paged_attention_compiles(dtype, splits, block_q, fused, pdl):
     # block_q 4: decode / verify rows (GROUP 4 pads to 16 rows); 16: prefill chunks (64 rows);
-    # fused: the last split program merges (gpu-scope acq_rel atomic after a block barrier)
+    # fused: the last split program merges (gpu-scope acq_rel atomic after a block barrier); with PDL
+    # the engine's CUDA launch: the first tile's cached K/V asked for in L2 before the wait
+    line = 32 if dtype == "fp32" else 64
     constexprs = {
         "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 64,
         "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": fused, "FP32_DOT": dtype == "fp32",
-        "PDL": pdl,
+        "PREFETCH_LINES": 128 // line if pdl else 0, "LINE": line, "PDL": pdl,
     }  # fmt: skip
     kernel = compile_sm90(at._paged_attn_kernel, _attention_pointers(dtype, splits), constexprs, 4)
     if fused:
@@ -163,12 +174,14 @@ def test_paged_attention_compiles(dtype, splits, block_q, fused, pdl):
 def test_paged_attention_128_key_tiles_compile(splits, block_q):
     # the shapes choose_block_n gives 128-key tiles: bf16, 16 rows (decode) and 32 rows (verify
     # windows of up to 8 queries), unsplit and split (merged in-kernel), at Triton's default launch
-    # options. At 4 warps both tile sizes use all 255 registers and some stack (24-88 bytes for 64-key
-    # tiles, 32-144 for 128-key ones, with the Triton of this wheel; 8 warps spill 440-504): the bound
-    # catches that kind of spill; no local-memory arrays, shared memory fits.
+    # options, with PDL and the L2 prefetch as the engine launches them on the H200. At 4 warps both
+    # tile sizes use all 255 registers and some stack (24-88 bytes for 64-key tiles, 32-144 for 128-key
+    # ones, with the Triton of this wheel; 8 warps spill 440-504): the bound catches that kind of
+    # spill; no local-memory arrays, shared memory fits.
     constexprs = {
         "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 128,
         "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": splits > 1, "FP32_DOT": False,
+        "PREFETCH_LINES": 2, "LINE": 64, "PDL": True,
     }  # fmt: skip
     ptrs = _attention_pointers("bf16", splits)
     kernel = compile_sm90(at._paged_attn_kernel, ptrs, constexprs, 4, num_stages=3)

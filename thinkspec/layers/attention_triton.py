@@ -33,7 +33,7 @@ import triton.language as tl
 
 from thinkspec.layers.attention_torch import TorchAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
-from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import launch_args, prefetch, release_next, wait_prior
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(x - m) stays NaN-free
@@ -89,6 +89,63 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, vv.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ptrs (any shape) in L2; no registers are filled."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_first_tile(
+    table,  # this sequence's block-table row
+    query_start_ptr,
+    seq_lens_ptr,
+    b,
+    q_tile,
+    split,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cb,
+    stride_cs,
+    head_off,  # h_kv * stride_ch
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    LINES: tl.constexpr,  # lines of LINE elements per row of HEAD_DIM
+    LINE: tl.constexpr,
+):
+    """Before the wait (pdl.PREFETCH): the sequence's metadata and its first tile's block-table entries
+    are read, and that tile's keys and values at positions before the query window are fetched into L2
+    (the main loop reads them after the wait; a fetch changes no value, so this is a hint only). Only what no
+    kernel of this forward writes: the metadata is copied in before the forward, and the forward writes
+    only the window's own KV slots (in blocks no other sequence holds)."""
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len
+    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    tiles = tl.cdiv(kv_end, BLOCK_N)
+    n_split = NUM_SPLITS
+    if FUSE_COMBINE:
+        n_split = tl.maximum(tl.minimum(tiles, NUM_SPLITS), 1)
+    lo = split * tl.cdiv(tiles, n_split) * BLOCK_N
+    cached_end = tl.where(q_tile * BLOCK_Q < q_len, ctx_len, 0)  # tiles past the queries fetch nothing
+    pos = lo + tl.arange(0, BLOCK_N)
+    ok = pos < cached_end
+    blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off  # [BLOCK_N]
+    line = tl.arange(0, LINES) * LINE  # [LINES] element offsets of a row's lines
+    want = ok[:, None] & (line < HEAD_DIM)[None, :]
+    off = tl.where(want, row[:, None] + line[None, :], 0)  # [BLOCK_N, LINES]; the rest: the base again
+    _prefetch_l2(k_cache_ptr + off)
+    _prefetch_l2(v_cache_ptr + off)
+
+
 # Ints that change from one eager launch to the next (the block-table width follows the longest
 # sequence, the token count the batch; _combine_kernel's sequence count too) are not specialised:
 # Triton would build a new variant each time one turns 1 or a multiple of 16, mid-run. Captured
@@ -129,15 +186,22 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     FUSE_COMBINE: tl.constexpr,  # S > 1: the last split program merges (no _combine_kernel launch)
     FP32_DOT: tl.constexpr,  # fp32 operands, exact products (fp32 inputs; bf16 under the interpreter)
+    PREFETCH_LINES: tl.constexpr,  # pdl.PREFETCH (CUDA): 128-byte lines per K/V row to fetch early, 0 = off
+    LINE: tl.constexpr,  # cache elements per 128-byte line
     PDL: tl.constexpr,
 ):
-    wait_prior(PDL)
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
     h_kv = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-
     d = tl.arange(0, BLOCK_D)
+    if PREFETCH_LINES > 0:
+        _prefetch_first_tile(
+            block_tables_ptr + b.to(tl.int64) * stride_bt, query_start_ptr, seq_lens_ptr, b, q_tile, split,
+            k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, h_kv * stride_ch, BLOCK_SIZE, BLOCK_Q, BLOCK_N,
+            NUM_SPLITS, FUSE_COMBINE, HEAD_DIM, PREFETCH_LINES, LINE,
+        )  # fmt: skip
+    wait_prior(PDL)
     if (NUM_SPLITS == 1) or FUSE_COMBINE:  # noqa: SIM102 (compile-time branch around a run-time one)
         if (b == 0) & (q_tile == 0) & (split == 0):
             # Padding rows (past the last sequence's tokens) come out zero: nothing else writes them.
@@ -473,6 +537,8 @@ class TritonAttentionBackend:
             strides = (dst.stride(0), dst.stride(1), dst.stride(2))
             counters = self.counters(programs, q.device) if fused else ml
         fp32_dot = q.dtype == torch.float32 or (_interpreting() and q.dtype == torch.bfloat16)
+        line = max(1, 128 // k_cache.element_size())
+        lines = max(1, block_d // line)
         _paged_attn_kernel[(num_seqs, q_tiles, num_kv_heads * splits)](
             q, q.stride(0), q.stride(1),
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -480,7 +546,9 @@ class TritonAttentionBackend:
             dst, *strides, ml, out, out.stride(0), out.stride(1), counters, scale * _LOG2E, num_heads,
             num_tokens, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot, **self.launch, **pdl,
+            BLOCK_D=block_d, NUM_SPLITS=splits, FUSE_COMBINE=fused, FP32_DOT=fp32_dot,
+            PREFETCH_LINES=lines if prefetch() and q.is_cuda and not _interpreting() else 0, LINE=line,
+            **self.launch, **pdl,
         )  # fmt: skip
         if splits > 1 and not fused:
             _combine_kernel[(num_tokens, num_heads)](

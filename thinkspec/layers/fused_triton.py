@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import early_release, launch_args, prefetch, release_next, wait_prior
 
 _COMPILE = {"enable_fp_fusion": False}
 
@@ -204,9 +204,11 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     STORE_KV: tl.constexpr,
+    PREFETCH: tl.constexpr,  # pdl.PREFETCH: positions and the rotary table read before the wait
     PDL: tl.constexpr,
 ):
-    wait_prior(PDL)
+    if not PREFETCH:
+        wait_prior(PDL)
     # grid (T, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): one token x BLOCK_H heads of q, then of k;
     # with STORE_KV the k programs also write the rotated k and the token's v into the paged caches
     t = tl.program_id(0).to(tl.int64)
@@ -217,6 +219,8 @@ def _qk_norm_rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cp + j, mask=j_ok, other=0.0)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cp + stride_cs + j, mask=j_ok, other=0.0)[None, :]
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if PREFETCH:
+        wait_prior(PDL)
     release_next(PDL)  # each program's remaining work is a few loads and its stores
     if g < q_blocks:
         _norm_rope_heads(
@@ -324,7 +328,8 @@ def qk_norm_rope(
         w_q, w_k, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         hq, hkv, eps, v, v.stride(0), v.stride(1), k_cache, v_cache, *cache_strides, slots, block_size,
         HAS_NORM=has_norm, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE_KV=kv_store is not None,
-        num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE, **launch_args(q.device),
+        PREFETCH=prefetch(), num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE,
+        **launch_args(q.device),
     )  # fmt: skip
     return q_out, k_out
 

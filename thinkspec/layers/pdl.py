@@ -23,6 +23,13 @@ count, so an eager launch (its count varies in a run) would need a second build 
 built early, in mid-run (seen on the H200). Qwen3-0.6B shape step: batch 1 0.89 ->
 0.85 ms, batch 2 0.98 -> 0.96-0.97 ms (two calls); at 4 rows 1.34 -> 1.43 ms slower, so 2 rows at
 most (docs/BENCHMARKS.md, "Early release at one and two rows").
+`PREFETCH` (on) bends the first rule for inputs no kernel of a forward writes. The q/k norm + rotary
+kernel reads its token's position and rotary row before its wait (positions are copied in before the
+forward's first kernel, a normal launch; the rotary table is fixed). Attention reads its sequence's
+metadata and first block-table entries before its wait and asks for that tile's cached keys and
+values (positions before the query window, written by earlier forwards) in L2: a hint that changes no
+value; the kernel reads them after the wait as before. Safe by the next paragraph: a kernel is
+placed only once the kernel before it has passed its own wait.
 When a kernel's wait returns, the kernel before it has completed, and that one had passed its own
 wait (or was launched normally), so every earlier kernel of the stream has completed too. Kernels
 launched normally (cuBLAS, torch ops) keep full stream order before and after. CUDA-graph capture
@@ -44,6 +51,7 @@ import triton.language as tl
 ENABLED = True
 EARLY_RELEASE = True  # see above; read at launch, as ENABLED
 EARLY_MAX_ROWS = 2  # measured slower at 4 rows
+PREFETCH = True  # see above; read at launch, as ENABLED
 
 
 @functools.cache
@@ -68,6 +76,11 @@ def launch_args(device: torch.device) -> dict:
 def early_release(rows: int) -> bool:
     """The EARLY constexpr of a launch over this many rows (see EARLY_RELEASE)."""
     return EARLY_RELEASE and rows <= EARLY_MAX_ROWS
+
+
+def prefetch() -> bool:
+    """The PREFETCH constexpr of an attention or q/k norm + rotary launch (see PREFETCH)."""
+    return PREFETCH
 
 
 @triton.jit
