@@ -77,6 +77,11 @@ def compile_sm90(
     return compiled
 
 
+def _global_loads(ptx: str) -> list[str]:
+    """The global-memory load instructions in a stretch of PTX, sorted ("ld.global.b32", ...)."""
+    return sorted(re.findall(r"\bld\.global[\w.]*", ptx))
+
+
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """cuobjdump's resource line of a one-kernel cubin: {"REG": 40, "STACK": 0, "LOCAL": 0, ...}."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -117,9 +122,18 @@ def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl, prefetch):
         "HAS_NORM": has_norm, "HEAD_DIM": 128, "BLOCK_H": block_h, "BLOCK_HALF": 64, "STORE_KV": store_kv,
         "PREFETCH": prefetch, "PDL": pdl,
     }  # fmt: skip
-    compile_sm90(
-        ft._qk_norm_rope_kernel, ptrs, constexprs, min(max(block_h * 64 // 128, 1), 4), **ft._COMPILE
-    )
+    warps = min(max(block_h * 64 // 128, 1), 4)
+    kernel = compile_sm90(ft._qk_norm_rope_kernel, ptrs, constexprs, warps, **ft._COMPILE)
+    if prefetch:
+        # what it reads before the wait is what the build without prefetch reads between its wait and
+        # its release (the position and the rotary row), no activation
+        twin = compile_sm90(
+            ft._qk_norm_rope_kernel, ptrs, {**constexprs, "PREFETCH": False}, warps, **ft._COMPILE
+        )
+        ptx, twin_ptx = kernel.asm["ptx"], twin.asm["ptx"]
+        wait, release = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+        before = _global_loads(ptx[: ptx.index(wait)])
+        assert before and before == _global_loads(twin_ptx[twin_ptx.index(wait) : twin_ptx.index(release)])
 
 
 @pytest.mark.parametrize("pdl", [False, True])
