@@ -91,57 +91,22 @@ def _store_kv_kernel(
 
 @triton.jit
 def _prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ptrs (any shape) in L2; no registers are filled."""
+    """Ask for the 128-byte lines at ptrs (any shape) in L2: a hint, no value changes, no register
+    is filled."""
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
     )
 
 
 @triton.jit
-def _prefetch_first_tile(
-    table,  # this sequence's block-table row
-    query_start_ptr,
-    seq_lens_ptr,
-    b,
-    q_tile,
-    split,
-    k_cache_ptr,
-    v_cache_ptr,
-    stride_cb,
-    stride_cs,
-    head_off,  # h_kv * stride_ch
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    FUSE_COMBINE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    LINES: tl.constexpr,  # lines of LINE elements per row of HEAD_DIM
-    LINE: tl.constexpr,
-):
-    """Before the wait (pdl.PREFETCH): the sequence's metadata and its first tile's block-table entries
-    are read, and that tile's keys and values at positions before the query window are fetched into L2
-    (the main loop reads them after the wait; a fetch changes no value, so this is a hint only). Only what no
-    kernel of this forward writes: the metadata is copied in before the forward, and the forward writes
-    only the window's own KV slots (in blocks no other sequence holds)."""
-    q_start = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx_len = seq_len - q_len
-    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
-    tiles = tl.cdiv(kv_end, BLOCK_N)
-    n_split = NUM_SPLITS
-    if FUSE_COMBINE:
-        n_split = tl.maximum(tl.minimum(tiles, NUM_SPLITS), 1)
-    lo = split * tl.cdiv(tiles, n_split) * BLOCK_N
-    cached_end = tl.where(q_tile * BLOCK_Q < q_len, ctx_len, 0)  # tiles past the queries fetch nothing
-    pos = lo + tl.arange(0, BLOCK_N)
-    ok = pos < cached_end
-    blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-    row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off  # [BLOCK_N]
+def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, ok, HEAD_DIM: tl.constexpr, LINES: tl.constexpr,
+                   LINE: tl.constexpr):  # fmt: skip
+    """The keys and values of cache rows `rows` [BLOCK_N] (element offsets; where ok) into L2: LINES
+    128-byte lines of LINE elements per row of HEAD_DIM (the kernel reads them later as it would
+    without this)."""
     line = tl.arange(0, LINES) * LINE  # [LINES] element offsets of a row's lines
     want = ok[:, None] & (line < HEAD_DIM)[None, :]
-    off = tl.where(want, row[:, None] + line[None, :], 0)  # [BLOCK_N, LINES]; the rest: the base again
+    off = tl.where(want, rows[:, None] + line[None, :], 0)  # [BLOCK_N, LINES]; the rest: the base again
     _prefetch_l2(k_cache_ptr + off)
     _prefetch_l2(v_cache_ptr + off)
 
@@ -190,18 +155,43 @@ def _paged_attn_kernel(
     LINE: tl.constexpr,  # cache elements per 128-byte line
     PDL: tl.constexpr,
 ):
+    if PREFETCH_LINES == 0:
+        wait_prior(PDL)
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
     h_kv = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len  # position of this step's first query
+
+    # Causal KV range of this query tile, cut into n_split chunks of whole BLOCK_N tiles. With the fused
+    # merge n_split follows this tile's own length, one split per tile up to NUM_SPLITS (the same chunks
+    # as NUM_SPLITS gives, without the empty ones): the split programs past n_split return at once and
+    # the merge reads n_split partials. Without it all NUM_SPLITS take part.
+    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    tiles = tl.cdiv(kv_end, BLOCK_N)
+    n_split = NUM_SPLITS
+    if FUSE_COMBINE:
+        n_split = tl.maximum(tl.minimum(tiles, NUM_SPLITS), 1)
+    tiles_per_split = tl.cdiv(tiles, n_split)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
+    n_off = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
     if PREFETCH_LINES > 0:
-        _prefetch_first_tile(
-            block_tables_ptr + b.to(tl.int64) * stride_bt, query_start_ptr, seq_lens_ptr, b, q_tile, split,
-            k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, h_kv * stride_ch, BLOCK_SIZE, BLOCK_Q, BLOCK_N,
-            NUM_SPLITS, FUSE_COMBINE, HEAD_DIM, PREFETCH_LINES, LINE,
-        )  # fmt: skip
-    wait_prior(PDL)
+        # Before the wait (pdl.PREFETCH): the metadata above is copied in before the forward, and the
+        # first tile's keys and values before the query window were written by earlier forwards (this
+        # forward writes only the window's own slots, in blocks no other sequence holds).
+        first = lo + n_off
+        cached = first < tl.where(q_tile * BLOCK_Q < q_len, ctx_len, 0)  # query tiles past q_len: none
+        blk = tl.load(table + first // BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
+        rows = blk * stride_cb + (first % BLOCK_SIZE) * stride_cs + h_kv * stride_ch  # [BLOCK_N]
+        _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, cached, HEAD_DIM, PREFETCH_LINES, LINE)
+        wait_prior(PDL)
+
     if (NUM_SPLITS == 1) or FUSE_COMBINE:  # noqa: SIM102 (compile-time branch around a run-time one)
         if (b == 0) & (q_tile == 0) & (split == 0):
             # Padding rows (past the last sequence's tokens) come out zero: nothing else writes them.
@@ -214,13 +204,10 @@ def _paged_attn_kernel(
             for _ in range(q_end, num_tokens):
                 tl.store(zero_dst, zeros, mask=zero_mask)
                 zero_dst += stride_ft
-
-    q_start = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx_len = seq_len - q_len  # position of this step's first query
+    if split >= n_split:  # FUSE_COMBINE: past this query tile's splits
+        return
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     r = tl.arange(0, BLOCK_M)
@@ -235,26 +222,9 @@ def _paged_attn_kernel(
     )  # [BLOCK_M, BLOCK_D]
     q_pos = ctx_len + qi  # [BLOCK_M] absolute position of each row's query
 
-    # Causal KV range of this query tile, cut into n_split chunks of whole BLOCK_N tiles. With the fused
-    # merge n_split follows this tile's own length, one split per tile up to NUM_SPLITS (the same chunks
-    # as NUM_SPLITS gives, without the empty ones): the split programs past n_split return at once and
-    # the merge reads n_split partials. Without it all NUM_SPLITS take part.
-    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
-    tiles = tl.cdiv(kv_end, BLOCK_N)
-    n_split = NUM_SPLITS
-    if FUSE_COMBINE:
-        n_split = tl.maximum(tl.minimum(tiles, NUM_SPLITS), 1)
-        if split >= n_split:
-            return
-    tiles_per_split = tl.cdiv(tiles, n_split)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
-
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n_off = tl.arange(0, BLOCK_N)
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         pos = start + n_off  # [BLOCK_N]
         pos_ok = pos < hi
