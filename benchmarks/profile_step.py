@@ -41,6 +41,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import re
 import statistics
 import tempfile
 import time
@@ -164,6 +165,32 @@ def device_phases(engine, steps: int) -> dict[str, float]:
         {k for s in per_step for k in s}, key=lambda k: -statistics.median(s.get(k, 0.0) for s in per_step)
     )
     return {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameters, at most 48 characters."""
+    return re.sub(r"[<(].*", "", name.removeprefix("void ")).split("::")[-1][:48]
+
+
+def kernel_gaps(events: list, steps: int, top: int = 15) -> dict:
+    """Idle device time between consecutive kernels and copies (profiler events sorted by start), per
+    step: the total, and the transitions ("previous -> next" kernel) with the most of it, ms per step.
+    Under programmatic dependent launch a kernel may start before the one before it ends (no gap)."""
+    spans = sorted((e.time_range.start, e.time_range.end, _short(e.name)) for e in events)
+    gaps: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    end, prev = None, ""
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            key = f"{prev} -> {name}"
+            gaps[key] += (start - end) / 1e3 / steps  # us -> ms
+            counts[key] += 1
+        if end is None or stop >= end:
+            end, prev = stop, name
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
+    return {"idle_ms_per_step": sum(gaps.values()),
+            "top_ms_per_step": {k: round(v, 4) for k, v in worst},
+            "top_count_per_step": {k: counts[k] / steps for k, _ in worst}}  # fmt: skip
 
 
 def profile_host(engine, steps: int, top: int = 25) -> dict[str, float]:
@@ -334,6 +361,7 @@ def main() -> None:
             wall_ms_per_step=wall, busy_ms_per_step=busy, idle_ms_per_step=wall - busy,
             kernels_per_step=len(events) / args.steps, top_kernels_ms_per_step=dict(top),
             runtime_ms_per_step=dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:6]),
+            gaps=kernel_gaps(events, args.steps),
         )  # fmt: skip
 
     floor_ms = sum(t.numel() * t.element_size() for t in engine.model.parameters()) / 4.21e12 * 1e3
@@ -377,6 +405,9 @@ def main() -> None:
         )
         for name, ms in d["top_kernels_ms_per_step"].items():
             print(f"    {ms:8.3f}  {name[:90]}")
+        print(f"  idle between kernels {d['gaps']['idle_ms_per_step']:.3f} ms per step, largest:")
+        for key, ms in d["gaps"]["top_ms_per_step"].items():
+            print(f"    {ms:8.4f}  ({d['gaps']['top_count_per_step'][key]:.1f}x)  {key}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,41 @@ def test_device_marks_are_removed_after_their_run():
     assert runner.execute_model == original and runner.execute_model() == "ran"
 
 
+def test_kernel_gaps_counts_idle_device_time_only():
+    """kernel_gaps: idle time between kernels by transition, per step; overlapping kernels (PDL) and a
+    kernel inside a longer one leave no gap."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Span:
+        def __init__(self, start: float, end: float) -> None:
+            self.start, self.end = start, end
+
+    class Event:
+        def __init__(self, name: str, start: float, end: float) -> None:
+            self.name, self.time_range = name, Span(start, end)
+
+    events = [  # us; unsorted, as the profiler may list them
+        Event("void at::native::argmax_kernel<float>(int)", 30.0, 34.0),
+        Event("_gemv_kernel", 0.0, 10.0),
+        Event("_rms_norm_kernel", 8.0, 12.0),  # overlaps the GEMV: no gap
+        Event("_tiny_kernel", 9.0, 11.0),  # inside the norm: no gap, and the norm stays the latest end
+        Event("_gemv_kernel", 20.0, 25.0),  # 8 us after the norm
+        Event("_gemv_kernel", 40.0, 42.0),  # 6 us after the argmax
+    ]
+    gaps = profile_step.kernel_gaps(events, steps=2)
+    assert gaps["idle_ms_per_step"] == pytest.approx((8 + 5 + 6) / 1e3 / 2)
+    assert gaps["top_ms_per_step"] == {
+        "_rms_norm_kernel -> _gemv_kernel": pytest.approx(0.004),
+        "argmax_kernel -> _gemv_kernel": pytest.approx(0.003),
+        "_gemv_kernel -> argmax_kernel": pytest.approx(0.0025),
+    }
+    assert gaps["top_count_per_step"]["_rms_norm_kernel -> _gemv_kernel"] == 0.5
+
+
 @pytest.mark.gpu
 def test_gpu_profile_step_device_phases(tmp_path):
     """--device-phases: device ms between the step's marks; the draft's forwards, the verify and
