@@ -24,6 +24,7 @@ from thinkspec.layers import attention_triton as at  # noqa: E402
 from thinkspec.layers import fused_triton as ft  # noqa: E402
 from thinkspec.layers import gemm_skinny_triton as gs  # noqa: E402
 from thinkspec.layers import gemv_triton as gt  # noqa: E402
+from thinkspec.sampling import argmax_triton as amt  # noqa: E402
 from thinkspec.sampling import rejection_triton as rt  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -134,6 +135,15 @@ def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl, prefetch):
         wait, release = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
         before = _global_loads(ptx[: ptx.index(wait)])
         assert before and before == _global_loads(twin_ptx[twin_ptx.index(wait) : twin_ptx.index(release)])
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_greedy_argmax_compiles_without_spills(pdl):
+    # Qwen3's vocabulary: 38 chunks per row, merged by the last program
+    ptrs = {"x_ptr": "fp32", "out_ptr": "i64", "pval_ptr": "fp32", "pidx_ptr": "i32", "count_ptr": "i32"}
+    constexprs = {"BLOCK": amt.BLOCK, "NC_P2": 64, "PDL": pdl}
+    kernel = compile_sm90(amt._argmax_kernel, ptrs, constexprs, amt.NUM_WARPS)
+    assert resource_usage(kernel.asm["cubin"])["STACK"] == 0
 
 
 @pytest.mark.parametrize("pdl", [False, True])

@@ -435,8 +435,9 @@ def _stats_split(rows: int, v: int, device: torch.device) -> tuple[int, int, int
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def _counters(n: int, device: torch.device) -> torch.Tensor:
-    """[>= n] int32 zeros for the fused launch's per-request counts (each launch leaves them zero).
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """[>= n] int32 zeros for a last-block launch's per-row counts (the fused acceptance launch, the
+    greedy argmax), kept per device; each launch leaves them zero.
     Under CUDA-graph capture a miss allocates a zeroed buffer for that graph alone (the zeroing is
     captured with it) instead of caching memory from the graph's pool."""
     bufs = _COUNTERS.setdefault(device, [])
@@ -520,7 +521,7 @@ def rejection_sample_triton(
 
     has_q = draft_probs is not None
     fuse = FUSE_ACCEPT
-    count = _counters(b, dev) if fuse else nacc  # nacc: an unused pointer
+    count = counters(b, dev) if fuse else nacc  # nacc: an unused pointer
     _row_stats_kernel[(rows, nc)](
         logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum,
         ndraft, ratio, top_k, q, seeds, seed_offset, out, nacc, flags, emit_lse, count, v, k, nc, chunk,

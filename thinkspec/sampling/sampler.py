@@ -140,9 +140,15 @@ def exponential_race(log_weights: torch.Tensor, noise: torch.Tensor) -> torch.Te
     return (log_weights - noise.log()).argmax(dim=-1)
 
 
-def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] -> [N] int64, argmax with the lowest index on ties."""
-    return logits.argmax(dim=-1)
+def greedy_sample(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] -> [N] int64, argmax with the lowest index on ties (into `out` [N] int64, any
+    stride, when given); one Triton launch on CUDA (sampling/argmax_triton.py), torch.argmax elsewhere."""
+    if logits.is_cuda:  # triton is a GPU-only dependency
+        from thinkspec.sampling.argmax_triton import greedy_argmax
+
+        return greedy_argmax(logits, out)
+    tokens = logits.argmax(dim=-1)
+    return tokens if out is None else out.copy_(tokens)
 
 
 class Sampler:

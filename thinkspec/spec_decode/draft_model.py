@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from thinkspec.models.loader import ModelInfo
-from thinkspec.sampling.sampler import Sampler, SamplingTensors, exponential_race, process_logits
+from thinkspec.sampling.sampler import (
+    Sampler,
+    SamplingTensors,
+    exponential_race,
+    greedy_sample,
+    process_logits,
+)
 from thinkspec.spec_decode.proposer import NO_DRAFT, Proposal, ProposalInput
 
 if TYPE_CHECKING:
@@ -128,35 +134,39 @@ class DraftModelProposer:
         r, bs = len(seqs), self.runner.block_size
         width = output_token_ids.shape[1]  # k + 1
         _, layout = self.runner.step_layout([2] * r, [1] * r, max(len(s.block_table) for s in seqs))
-        # host: num_tokens [R], the token before the window [R], slots of positions
-        # num_tokens - 1 ... num_tokens + k [R, k+2] (-1 past the table), flat indexes [7R]
-        host = np.full(r * (width + 3) + 7 * r, -1, dtype=np.int64)
-        n, before = host[:r], host[r : 2 * r]
-        slots = host[2 * r : r * (width + 3)].reshape(r, width + 1)
+        # Everything the forward needs but the tokens follows from a = num_accepted[r], so the host
+        # lays it out for every a in 0..k and the device picks row a (one gather, not a dozen small
+        # kernels): table [R, k+1, 7] = positions E-2, E-1, their slots, E, and the columns of
+        # [token before the window, output_token_ids] that hold the tokens at E-2, E-1 (a, a+1);
+        # then the token before the window [R] and the layout indexes the values go to [R, 7].
+        n_table = r * width * 7
+        host = np.full(n_table + 8 * r, -1, dtype=np.int64)
+        table = host[:n_table].reshape(r, width, 7)
+        before = host[n_table : n_table + r]
+        slots = np.full((r, width + 1), -1, dtype=np.int64)  # positions num_tokens - 1 ... num_tokens + k
         for i, seq in enumerate(seqs):
-            n[i], before[i] = seq.num_tokens, seq.token_ids[-1]
-            table = seq.block_table
-            for j, p in enumerate(range(seq.num_tokens - 1, min(seq.num_tokens + width, len(table) * bs))):
-                slots[i, j] = table[p // bs] * bs + p % bs
+            before[i] = seq.token_ids[-1]
+            blocks = seq.block_table
+            for j, p in enumerate(range(seq.num_tokens - 1, min(seq.num_tokens + width, len(blocks) * bs))):
+                slots[i, j] = blocks[p // bs] * bs + p % bs
+        a = np.arange(width)[None, :]  # [1, k+1]
+        n = np.array([seq.num_tokens for seq in seqs], dtype=np.int64)[:, None]  # [R, 1]
+        for c, column in enumerate((n + a - 1, n + a, slots[:, :-1], slots[:, 1:], n + a + 1, a, a + 1)):
+            table[:, :, c] = column
         o = layout.offsets  # input_ids, positions, slot_mapping at o[0..2]; seq_lens at o[5]
-        two = np.arange(2 * r)
-        host[r * (width + 3) :] = np.concatenate([o[0] + two, o[1] + two, o[2] + two, o[5] + np.arange(r)])
+        two = 2 * np.arange(r)[:, None] + np.arange(2)  # [R, 2]
+        index = host[n_table + r :].reshape(r, 7)
+        index[:] = np.concatenate([o[0] + two, o[1] + two, o[2] + two, o[5] + np.arange(r)[:, None]], axis=1)
         dev = torch.from_numpy(host).to(self.device, non_blocking=True)
-        n_d, before_d = dev[:r], dev[r : 2 * r]
-        slots_d = dev[2 * r : r * (width + 3)].view(r, width + 1)
-        a = num_accepted.long()  # [R]
-        end = n_d + a + 1
-        at = torch.stack([a - 1, a], dim=1)  # [R, 2] columns of output_token_ids at E-2, E-1
-        ids = output_token_ids.gather(1, at.clamp(min=0))
-        ids[:, 0] = torch.where(a > 0, ids[:, 0], before_d)
-        pos = torch.stack([end - 2, end - 1], dim=1)
-        slot = slots_d.gather(1, at + 1)
-        values = torch.cat([ids.flatten(), pos.flatten(), slot.flatten(), end])
+        rows = dev[:n_table].view(r, width, 7).gather(1, num_accepted.long().view(r, 1, 1).expand(r, 1, 7))
+        rows = rows.view(r, 7)
+        tokens = torch.cat([dev[n_table : n_table + r, None], output_token_ids], dim=1)  # [R, k+2]
+        values = torch.cat([tokens.gather(1, rows[:, 5:]), rows[:, :5]], dim=1).flatten()  # [7R], as index
         # placeholders: the window of every draft accepted (the longest context, as a graph sizes it)
         starts = [s.num_tokens + m - 1 for s, m in zip(seqs, num_drafts)]
         logits = self.runner.execute_model(
             seqs, [2] * r, [1] * r, input_token_ids=[[0, 0]] * r, start_positions=starts,
-            device_inputs=(dev[r * (width + 3) :], values),
+            device_inputs=(dev[n_table + r :], values),
         )  # fmt: skip
         self._launched = (list(seqs), logits.clone())
         self.num_run_ahead += 1
@@ -211,8 +221,11 @@ class DraftModelProposer:
                 )
                 for b in rows:
                     computed[spec_index[b]] = seqs[spec_index[b]].num_tokens + j
-            tokens, q = self._sample(logits, [params[b] for b in rows], row_seqs, j)
-            drafts[rows_t, j] = tokens
+            # every row: the token goes straight into its column of drafts (no copy launch)
+            column = drafts[:, j] if isinstance(rows_t, slice) else None
+            tokens, q = self._sample(logits, [params[b] for b in rows], row_seqs, j, column)
+            if column is None:
+                drafts[rows_t, j] = tokens
             if probs is not None and q is not None:
                 probs[rows_t, j] = q
         return proposal
@@ -268,16 +281,20 @@ class DraftModelProposer:
         params: list[SamplingParams],
         seqs: list[Sequence],
         j: int,
+        out: torch.Tensor | None = None,  # [R] int64 (any stride) to write the tokens into
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft token per row [R] int64 and its distribution q [R, V] float32 (None if all greedy)."""
-        greedy = logits.argmax(dim=-1)
+        """Draft token per row [R] int64 (`out` when given) and its distribution q [R, V] float32 (None
+        if all greedy)."""
         if all(p.is_greedy for p in params):
-            return greedy, None
+            return greedy_sample(logits, out), None
+        greedy = greedy_sample(logits)
         t = SamplingTensors.from_params(params, logits.device)
         filtered = process_logits(logits, t)
         positions = [_DRAFT_NOISE_POSITION + s.num_output_tokens + j for s in seqs]
         noise = self.sampler.exponential_noise(filtered.shape, params, positions, filtered.device)
         tokens = torch.where(t.greedy, greedy, exponential_race(filtered, noise))
+        if out is not None:
+            tokens = out.copy_(tokens)
         return tokens, torch.softmax(filtered, dim=-1)
 
 
