@@ -22,6 +22,8 @@
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
+#   argmax      greedy sampling: torch.argmax vs the one-launch Triton argmax at 1-128 rows of Qwen3's
+#               vocabulary (benchmarks/bench_argmax.py; ARGMAX_ARGS)
 #   skinny      Qwen3-8B projections at 4..64 rows: cuBLAS vs the skinny Triton GEMM's launch shapes, the
 #               per-step totals at rows 16 and 64, and the SKINNY_GEMM_TABLE entries it implies
 #               (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g. "--rows 16,64 --refine 1")
@@ -139,6 +141,12 @@ if has gemv; then
   timeout "${GEMV_TIMEOUT:-240}" $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
     | tee "$OUT/gemv.log"
   record gemv "${PIPESTATUS[0]}" "${GEMV_TIMEOUT:-240}"
+fi
+
+if has argmax; then
+  timeout "${ARGMAX_TIMEOUT:-120}" $PY benchmarks/bench_argmax.py --out "$OUT/argmax.json" ${ARGMAX_ARGS:-} 2>&1 \
+    | tee "$OUT/argmax.log"
+  record argmax "${PIPESTATUS[0]}" "${ARGMAX_TIMEOUT:-120}"
 fi
 
 if has skinny; then
@@ -286,7 +294,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in host spec_round projection adaptive throughput gemv skinny acceptance step toy_quality sweep tp; do
+for f in host spec_round projection adaptive throughput gemv argmax skinny acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

@@ -80,13 +80,14 @@ def test_pytest_error_exit_fails_the_script(tmp_path):
 
 
 def test_timed_out_and_failing_benchmarks(tmp_path):
-    rc, stdout, summary = _run(tmp_path, "spec_round throughput gemv", FAKE_HANG="bench_spec_round",
+    rc, stdout, summary = _run(tmp_path, "spec_round throughput gemv argmax", FAKE_HANG="bench_spec_round",
                                SPEC_ROUND_TIMEOUT="1", FAKE_FAIL="bench_throughput")  # fmt: skip
     assert rc != 0
     lines = summary.splitlines()
     assert "spec_round: TIMED OUT after 1s" in lines
     assert "throughput: FAILED (exit 3)" in lines
-    assert "gemv: ok" in lines
+    assert "gemv: ok" in lines and "argmax: ok" in lines
+    assert "fake run: benchmarks/bench_argmax.py --out" in stdout
     assert lines[-1] == "FAILED: 2 stage(s): spec_round,throughput"
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
 
