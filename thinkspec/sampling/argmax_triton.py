@@ -1,8 +1,8 @@
 """Greedy sampling in one Triton launch: the argmax of each row of float logits, lowest index on ties.
 
 torch's argmax over a [R, 151,936] row costs two launches at a few rows (a memset of its reduction's
-semaphores, then the reduction), about 13 us on the H200 at one row, and the draft model samples this
-way once per drafted token. Here:
+semaphores, then the reduction): 8.9 us of device time on the H200 at one row, against 2.7 for this
+kernel (benchmarks/bench_argmax.py), and the draft model samples once per drafted token. Here:
 
   _argmax_kernel  grid (R, NC)  program (r, c) reduces chunk c of row r (BLOCK entries) to its max and
                   the lowest index holding it, stores that pair, then counts itself in on row r's
@@ -77,14 +77,9 @@ def _argmax_kernel(
         ok = cs < NC
         pm = tl.load(pval_ptr + r * NC + cs, mask=ok, other=float("-inf"), cache_modifier=".cg")
         pi = tl.load(pidx_ptr + r * NC + cs, mask=ok, other=_INT32_MAX, cache_modifier=".cg")
-        # chunks hold increasing indices: the lowest index among the chunks that hold the max (or a
-        # NaN) is the row's answer
-        nan = pm != pm
-        first_nan = tl.min(tl.where(nan, pi, _INT32_MAX), 0)
-        pm = tl.where(nan, float("-inf"), pm)
-        best = tl.max(pm, 0)
-        i = tl.min(tl.where(pm == best, pi, _INT32_MAX), 0)
-        i = tl.where(first_nan < _INT32_MAX, first_nan, i)
+        # the chunks' pairs reduce as entries do: a NaN chunk carries its first NaN's index, and the
+        # lowest index among the chunks holding the max is the row's lowest
+        _, i = _chunk_argmax(pm, pi)
         tl.store(out_ptr + r * stride_out, i.to(tl.int64))
 
 

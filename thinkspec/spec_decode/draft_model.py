@@ -158,10 +158,10 @@ class DraftModelProposer:
         index = host[n_table + r :].reshape(r, 7)
         index[:] = np.concatenate([o[0] + two, o[1] + two, o[2] + two, o[5] + np.arange(r)[:, None]], axis=1)
         dev = torch.from_numpy(host).to(self.device, non_blocking=True)
-        rows = dev[:n_table].view(r, width, 7).gather(1, num_accepted.long().view(r, 1, 1).expand(r, 1, 7))
-        rows = rows.view(r, 7)
+        accepted = num_accepted.long().reshape(r, 1, 1).expand(r, 1, 7)
+        picked = dev[:n_table].view(r, width, 7).gather(1, accepted).view(r, 7)  # table row a of each row
         tokens = torch.cat([dev[n_table : n_table + r, None], output_token_ids], dim=1)  # [R, k+2]
-        values = torch.cat([tokens.gather(1, rows[:, 5:]), rows[:, :5]], dim=1).flatten()  # [7R], as index
+        values = torch.cat([tokens.gather(1, picked[:, 5:]), picked[:, :5]], dim=1).flatten()  # [7R] as index
         # placeholders: the window of every draft accepted (the longest context, as a graph sizes it)
         starts = [s.num_tokens + m - 1 for s, m in zip(seqs, num_drafts)]
         logits = self.runner.execute_model(
