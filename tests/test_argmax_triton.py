@@ -18,8 +18,8 @@ from triton_interpreter import interp, parent_only, run_interpreter_cases  # noq
 
 from thinkspec.sampling import argmax_triton  # noqa: E402
 from thinkspec.sampling.argmax_triton import argmax_triton as kernel_argmax  # noqa: E402
-from thinkspec.sampling.argmax_triton import greedy_argmax  # noqa: E402
 from thinkspec.sampling.rejection_triton import counters  # noqa: E402
+from thinkspec.sampling.sampler import greedy_sample  # noqa: E402
 
 gpu = pytest.mark.gpu
 INF, NAN = float("inf"), float("nan")
@@ -88,19 +88,19 @@ def test_interp_argmax_into_a_column_and_repeated_launches():
     assert drafts[:, 3].tolist() == [-7] * 5
 
 
-def test_greedy_argmax_on_cpu_is_torch_argmax():
+def test_greedy_sample_on_cpu_is_torch_argmax():
     x = torch.cat([torch.randn(4, 50), _special_rows(50, 16)])
-    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(greedy_sample(x), x.argmax(dim=-1))
     out = torch.empty(8, 2, dtype=torch.int64)[:, 1]
     x = x[:8]
-    assert greedy_argmax(x, out=out) is out and torch.equal(out, x.argmax(dim=-1))
+    assert greedy_sample(x, out=out) is out and torch.equal(out, x.argmax(dim=-1))
     assert not argmax_triton.use_kernel(x)
 
 
 @pytest.mark.parametrize("out", [torch.empty(3, dtype=torch.int32), torch.empty(4, dtype=torch.int64)])
 def test_argmax_out_must_fit(out):
     with pytest.raises(ValueError, match="out must be int64 \\[3\\]"):
-        greedy_argmax(torch.randn(3, 10), out=out)
+        greedy_sample(torch.randn(3, 10), out=out)
     with pytest.raises(ValueError, match="out must be int64 \\[3\\]"):
         kernel_argmax(torch.randn(3, 10), out=out)
 
@@ -118,7 +118,7 @@ def test_gpu_argmax_matches_torch_at_qwen3_vocab(rows):
     special = _special_rows(v, argmax_triton.BLOCK).cuda()
     for batch in (x, special, torch.cat([x, special])):
         assert argmax_triton.use_kernel(batch)
-        torch.testing.assert_close(greedy_argmax(batch), batch.argmax(dim=-1), rtol=0, atol=0)
+        torch.testing.assert_close(greedy_sample(batch), batch.argmax(dim=-1), rtol=0, atol=0)
     assert not counters(1, x.device)[: rows + special.shape[0]].any()
 
 
@@ -127,11 +127,11 @@ def test_gpu_argmax_matches_torch_at_qwen3_vocab(rows):
 def test_gpu_argmax_under_capture_uses_torch():
     x = torch.randn(2, 1000, device="cuda")
     out = torch.empty(2, dtype=torch.int64, device="cuda")
-    greedy_argmax(x, out=out)  # warm
+    greedy_sample(x, out=out)  # warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         assert not argmax_triton.use_kernel(x)
-        greedy_argmax(x, out=out)
+        greedy_sample(x, out=out)
     x.copy_(torch.randn(2, 1000, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()

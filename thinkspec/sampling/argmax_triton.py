@@ -11,8 +11,8 @@ kernel (benchmarks/bench_argmax.py), and the draft model samples once per drafte
                   stride: a column of the draft buffer) and sets the counter back to zero.
 
 Semantics are torch.argmax's: the lowest index of the maximum; NaN counts as larger than every number
-(the first NaN wins); a row of -inf gives 0. Under CUDA-graph capture, on CPU and for non-float32 logits
-`greedy_argmax` uses torch.argmax instead.
+(the first NaN wins); a row of -inf gives 0. sampler.greedy_sample runs it where use_kernel says so
+(torch.argmax under CUDA-graph capture, on CPU and for non-float32 logits).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import triton.language as tl
 
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 from thinkspec.sampling.rejection_triton import counters
+from thinkspec.sampling.sampler import check_tokens_out
 
 BLOCK = 4096  # vocabulary entries per program: 38 programs per Qwen3 row
 NUM_WARPS = 4
@@ -98,21 +99,17 @@ def _scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def use_kernel(logits: torch.Tensor) -> bool:
-    """Whether greedy_argmax runs the Triton kernel on these logits (CUDA, float32 [R, V], not capturing)."""
+    """Whether greedy sampling runs the Triton kernel on these logits (CUDA, float32 [R, V] with V > 0,
+    not capturing)."""
     if logits.device.type != "cuda" or logits.dtype != torch.float32 or logits.dim() != 2:
         return False
-    return not torch.cuda.is_current_stream_capturing()
-
-
-def _check_out(logits: torch.Tensor, out: torch.Tensor | None) -> None:
-    if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64):
-        raise ValueError(f"out must be int64 [{logits.shape[0]}], got {out.dtype} {tuple(out.shape)}")
+    return logits.shape[1] > 0 and not torch.cuda.is_current_stream_capturing()
 
 
 def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
     """logits [R, V] float -> [R] int64 by _argmax_kernel (CUDA, or CPU under TRITON_INTERPRET=1), into
     `out` ([R] int64, any stride) when given; block: vocabulary entries per program (a power of two)."""
-    _check_out(logits, out)
+    check_tokens_out(logits, out)
     rows, v = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -131,13 +128,3 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, block: 
     )  # fmt: skip
     return out
 
-
-def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [R, V] float -> [R] int64, torch.argmax(logits, -1) (lowest index on ties, NaN the max),
-    written into `out` ([R] int64, any stride, e.g. a column of a larger buffer) when given: the Triton
-    kernel where use_kernel says so, else torch."""
-    if use_kernel(logits) and logits.shape[1] > 0:
-        return argmax_triton(logits, out)
-    _check_out(logits, out)
-    tokens = logits.argmax(dim=-1)
-    return tokens if out is None else out.copy_(tokens)

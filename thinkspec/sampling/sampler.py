@@ -140,13 +140,22 @@ def exponential_race(log_weights: torch.Tensor, noise: torch.Tensor) -> torch.Te
     return (log_weights - noise.log()).argmax(dim=-1)
 
 
-def greedy_sample(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [N, V] -> [N] int64, argmax with the lowest index on ties (into `out` [N] int64, any
-    stride, when given); one Triton launch on CUDA (sampling/argmax_triton.py), torch.argmax elsewhere."""
-    if logits.is_cuda:  # triton is a GPU-only dependency
-        from thinkspec.sampling.argmax_triton import greedy_argmax
+def check_tokens_out(logits: torch.Tensor, out: torch.Tensor | None) -> None:
+    """ValueError unless out is None or an int64 [N] for logits [N, V]."""
+    if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64):
+        raise ValueError(f"out must be int64 [{logits.shape[0]}], got {out.dtype} {tuple(out.shape)}")
 
-        return greedy_argmax(logits, out)
+
+def greedy_sample(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] -> [N] int64, argmax with the lowest index on ties, NaN the max (into `out` [N]
+    int64, any stride, when given): one Triton launch where argmax_triton.use_kernel says so (CUDA),
+    torch.argmax elsewhere."""
+    if logits.is_cuda:  # triton is a GPU-only dependency
+        from thinkspec.sampling import argmax_triton
+
+        if argmax_triton.use_kernel(logits):
+            return argmax_triton.argmax_triton(logits, out)
+    check_tokens_out(logits, out)
     tokens = logits.argmax(dim=-1)
     return tokens if out is None else out.copy_(tokens)
 
