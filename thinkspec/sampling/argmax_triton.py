@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+from thinkspec.sampling.rejection_common import check_tokens_out
 from thinkspec.sampling.rejection_triton import counters
-from thinkspec.sampling.sampler import check_tokens_out
 
 BLOCK = 4096  # vocabulary entries per program: 38 programs per Qwen3 row
 NUM_WARPS = 4

@@ -1,4 +1,5 @@
-"""Result type and input validation shared by the torch reference and the Triton kernels.
+"""Result type and input validation shared by the torch reference and the Triton kernels (of acceptance,
+and the greedy argmax's output buffer: check_tokens_out).
 
 Shapes for a batch of B requests, K draft slots per request and vocabulary V:
   target_logits     [B, K+1, V] float   row i scores draft i; row K scores the bonus token
@@ -28,6 +29,12 @@ class RejectionResult:
 
 
 _INT_DTYPES = (torch.int64, torch.int32)
+
+
+def check_tokens_out(logits: torch.Tensor, out: torch.Tensor | None) -> None:
+    """ValueError unless out is None or an int64 [N] for logits [N, V]."""
+    if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64):
+        raise ValueError(f"out must be int64 [{logits.shape[0]}], got {out.dtype} {tuple(out.shape)}")
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from thinkspec.sampling.rejection_common import check_tokens_out
 from thinkspec.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -138,12 +139,6 @@ def exponential_race(log_weights: torch.Tensor, noise: torch.Tensor) -> torch.Te
     """log_weights [N, V] (unnormalised, -inf = excluded), noise [N, V] Exp(1) > 0 -> [N] int64:
     argmax(log w - log E), an exact draw from normalize(w) (the Gumbel-max trick)."""
     return (log_weights - noise.log()).argmax(dim=-1)
-
-
-def check_tokens_out(logits: torch.Tensor, out: torch.Tensor | None) -> None:
-    """ValueError unless out is None or an int64 [N] for logits [N, V]."""
-    if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64):
-        raise ValueError(f"out must be int64 [{logits.shape[0]}], got {out.dtype} {tuple(out.shape)}")
 
 
 def greedy_sample(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
