@@ -28,7 +28,10 @@ SHAPES = [
     ("8b.down", 4096, 12288, 36), ("8b.lm_head", 151936, 4096, 1),
     ("0.6b.qkv", 4096, 1024, 28), ("0.6b.o", 1024, 2048, 28), ("0.6b.gate_up", 6144, 1024, 28),
     ("0.6b.down", 1024, 3072, 28), ("0.6b.lm_head", 151936, 1024, 1),
+    ("8b.gate_up_glu", 24576, 4096, 36), ("0.6b.gate_up_glu", 6144, 1024, 28),
 ]  # fmt: skip
+# "_glu": the gate/up product as the engine runs it at 1-2 rows, SiLU(gate) * up in the GEMV's
+# epilogue (N weight rows, N / 2 outputs)
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -77,19 +80,22 @@ def main() -> None:
         floor_us = n * k * 2 / args.bandwidth * 1e6
         for m in ints(args.rows):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            glu = name.endswith("_glu")
             ref = torch.nn.functional.linear(x, ws[0]).float()
+            if glu:
+                ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
             cublas = graph_us(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws]) / layers
             row = dict(shape=name, n=n, k=k, rows=m, floor_us=floor_us, cublas_us=cublas, triton={})
             for bn, bk, warps, stages in grid:
-                if m * bn * bk // (32 * warps) > 128 or bk > 2 * triton.next_power_of_2(k):
+                if m * bn * bk * (1 + glu) // (32 * warps) > 128 or bk > 2 * triton.next_power_of_2(k):
                     continue  # too many accumulator registers per thread, or a block far past K
                 cfg = (bn, bk, warps, stages)
-                err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
+                err = (gemv(x, ws[0], config=cfg, glu=glu).float() - ref).abs().max().item()
                 if err > 1e-2 * ref.abs().max().item() + 1e-3:
                     raise AssertionError(f"{name} rows {m} config {cfg}: max error {err}")
-                run = lambda x=x, ws=ws, cfg=cfg: [gemv(x, w, config=cfg) for w in ws]  # noqa: E731
+                run = lambda x=x, ws=ws, cfg=cfg, glu=glu: [gemv(x, w, config=cfg, glu=glu) for w in ws]  # noqa: E731
                 row["triton"][",".join(map(str, cfg))] = graph_us(run) / layers
-            default = ",".join(map(str, gemv_config(m, n, k)))
+            default = ",".join(map(str, gemv_config(m, n // 2 if glu else n, k, glu)))
             best = min(row["triton"], key=row["triton"].get)
             row.update(best=best, best_us=row["triton"][best], default=default,
                        default_us=row["triton"].get(default))  # fmt: skip
