@@ -100,13 +100,22 @@ def _all(dtype: str, *names: str) -> dict[str, str]:
     return dict.fromkeys(names, dtype)
 
 
-@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize(("pdl", "prefetch"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_compiles(dtype, residual, pdl):
+def test_rms_norm_compiles(dtype, residual, pdl, prefetch):
+    # prefetch (pdl.PREFETCH): the norm's weight is read before the wait, as many loads as the build
+    # without prefetch makes of it after its wait (x and the residual wait), nothing stored
     ptrs = _all(dtype, "x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr")
-    constexprs = {"HAS_RESIDUAL": residual, "BLOCK": 4096, "PDL": pdl}
-    compile_sm90(ft._rms_norm_kernel, ptrs, constexprs, 8, **ft._COMPILE)
+    constexprs = {"HAS_RESIDUAL": residual, "BLOCK": 4096, "PREFETCH": prefetch, "PDL": pdl}
+    kernel = compile_sm90(ft._rms_norm_kernel, ptrs, constexprs, 8, **ft._COMPILE)
+    if prefetch:
+        twin = compile_sm90(ft._rms_norm_kernel, ptrs, {**constexprs, "PREFETCH": False}, 8, **ft._COMPILE)
+        ptx, twin_ptx = kernel.asm["ptx"], twin.asm["ptx"]
+        before = _global_loads(ptx[: ptx.index("griddepcontrol.wait")])
+        loads = _global_loads(twin_ptx)  # x's, the residual's and the weight's, alike in width
+        assert _global_loads(ptx) == loads and before
+        assert len(before) * (3 if residual else 2) == len(loads)  # the weight's alone
 
 
 @pytest.mark.parametrize(
@@ -116,7 +125,8 @@ def test_rms_norm_compiles(dtype, residual, pdl):
 @pytest.mark.parametrize("block_h", [1, 4])
 @pytest.mark.parametrize("has_norm", [False, True])
 def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl, prefetch):
-    # prefetch (pdl.PREFETCH): the position and rotary row are read before the wait, nothing stored
+    # prefetch (pdl.PREFETCH): the position, slot, rotary row and norm weights are read before the
+    # wait, nothing stored
     ptrs = _all("bf16", "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")
     ptrs.update(_all("bf16", "k_cache_ptr", "v_cache_ptr"), pos_ptr="i64", cache_ptr="fp32", slot_ptr="i64")
     constexprs = {
@@ -127,7 +137,7 @@ def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl, prefetch):
     kernel = compile_sm90(ft._qk_norm_rope_kernel, ptrs, constexprs, warps, **ft._COMPILE)
     if prefetch:
         # what it reads before the wait is what the build without prefetch reads between its wait and
-        # its release (the position and the rotary row), no activation
+        # its release (the position, the slot, the rotary row and the norm weights), no activation
         twin = compile_sm90(
             ft._qk_norm_rope_kernel, ptrs, {**constexprs, "PREFETCH": False}, warps, **ft._COMPILE
         )

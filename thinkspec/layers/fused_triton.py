@@ -45,14 +45,17 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     EARLY: tl.constexpr,  # pdl.EARLY_RELEASE: the next kernel is let in right after the wait
+    PREFETCH: tl.constexpr,  # pdl.PREFETCH: the norm's weight read before the wait
     PDL: tl.constexpr,
 ):
-    wait_prior(PDL)
-    if EARLY:
-        release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PREFETCH:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    wait_prior(PDL)
+    if EARLY:
+        release_next(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -61,7 +64,8 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)  # `x.to(dtype)`
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if not PREFETCH:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * y.to(tl.float32)  # `self.weight * x`, rounded once below
     if not EARLY:
         release_next(PDL)
@@ -101,7 +105,7 @@ def rms_norm(
         _rms_norm_kernel[(rows,)](
             x2, x2.stride(0), res2, res2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
             weight, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, EARLY=early_release(rows),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, EARLY=early_release(rows), PREFETCH=prefetch(),
             num_warps=min(max(block // 512, 1), 16), **_COMPILE, **launch_args(x.device),
         )  # fmt: skip
     if residual is None:
@@ -117,7 +121,8 @@ def _norm_rope_heads(
     o_ptr,  # [T, H, D] output
     stride_ot,
     stride_oh,
-    w_ptr,  # [D] norm weight (HAS_NORM)
+    w1,  # [1, BLOCK_HALF] float32: the norm weight's first half (HAS_NORM)
+    w2,  # [1, BLOCK_HALF] float32: its second half
     t,  # token (int64)
     h0,  # first head of this program
     num_heads,
@@ -146,8 +151,6 @@ def _norm_rope_heads(
     if HAS_NORM:  # RMSNorm over the head: fp32 stats, `.to(dtype)`, then `weight * x` rounded to o_ty
         var = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / HEAD_DIM
         rstd = tl.math.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
         a1 = (w1 * (a1 * rstd).to(x1.dtype).to(tl.float32)).to(o_ty).to(tl.float32)
         a2 = (w2 * (a2 * rstd).to(x2.dtype).to(tl.float32)).to(o_ty).to(tl.float32)
     # rotate half: cat(x1*cos - x2*sin, x2*cos + x1*sin), each product and sum rounded to o_ty
@@ -204,8 +207,8 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     STORE_KV: tl.constexpr,
-    PREFETCH: tl.constexpr,  # pdl.PREFETCH: positions and the rotary table read before the wait
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # pdl.PREFETCH: positions, slots, the rotary table and the norm weights
+    PDL: tl.constexpr,  # read before the wait
 ):
     if not PREFETCH:
         wait_prior(PDL)
@@ -219,12 +222,21 @@ def _qk_norm_rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cp + j, mask=j_ok, other=0.0)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cp + stride_cs + j, mask=j_ok, other=0.0)[None, :]
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    is_q = g < q_blocks
+    w1, w2 = cos, sin  # placeholders without a norm
+    if HAS_NORM:  # this program's heads' norm weight (q's or k's), as two halves
+        w1 = tl.load(tl.where(is_q, q_w_ptr, k_w_ptr) + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(tl.where(is_q, q_w_ptr, k_w_ptr) + HEAD_DIM // 2 + j, mask=j_ok, other=0.0)
+        w2 = w2.to(tl.float32)[None, :]
+    slot = 0
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t)
     if PREFETCH:
         wait_prior(PDL)
     release_next(PDL)  # each program's remaining work is a few loads and its stores
-    if g < q_blocks:
+    if is_q:
         _norm_rope_heads(
-            q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr, t, g * BLOCK_H,
+            q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, w1, w2, t, g * BLOCK_H,
             num_q_heads, cos, sin, eps, q_out_ptr, 0, 0, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF, False,
         )  # fmt: skip
     else:
@@ -232,7 +244,6 @@ def _qk_norm_rope_kernel(
         c_row = 0
         c_heads = 0
         if STORE_KV:
-            slot = tl.load(slot_ptr + t)
             c_heads = tl.where(slot >= 0, num_kv_heads, 0)  # slot -1: nothing stored
             slot = tl.maximum(slot, 0)
             c_row = (slot // block_size) * stride_kvb + (slot % block_size) * stride_kvs
@@ -244,7 +255,7 @@ def _qk_norm_rope_kernel(
                 v_cache_ptr + c_row + h * stride_kvh + dd, vv.to(v_cache_ptr.dtype.element_ty), mask=v_mask
             )
         _norm_rope_heads(
-            k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr, t, h0, num_kv_heads,
+            k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, w1, w2, t, h0, num_kv_heads,
             cos, sin, eps, k_cache_ptr + c_row, stride_kvh, c_heads, HAS_NORM, HEAD_DIM, BLOCK_H, BLOCK_HALF,
             STORE_KV,
         )  # fmt: skip
