@@ -1,8 +1,8 @@
 """Where one engine step goes at a given batch: phases on the host, busy and idle time on the device.
 
-Builds the engine on Qwen3-8B-shaped random weights (`--small` for a CPU smoke test), starts
---batch requests of --prompt-len random tokens (greedy, EOS ignored), runs --warmup steps, then
-times --steps steady-state decode steps two ways:
+Builds the engine on Qwen3-8B-shaped random weights (`--shape 0.6b`: the draft's shape; `--small` for
+a CPU smoke test), starts --batch requests of --prompt-len random tokens (greedy, EOS ignored), runs
+--warmup steps, then times --steps steady-state decode steps two ways:
   phases    steps run back to back (as generate() runs them: outputs of finished requests only,
             none here); step_mean = their wall time / steps; each step's wall time split into
             schedule, execute_model (input packing, graph replay or eager forward, logits), sample
@@ -193,6 +193,26 @@ def kernel_gaps(events: list, steps: int, top: int = 15) -> dict:
             "top_count_per_step": {k: counts[k] / steps for k, _ in worst}}  # fmt: skip
 
 
+def critical_path(events: list, steps: int, top: int = 15) -> dict:
+    """How far each kernel moves the device's finish line, per step: for events sorted by start, the
+    part of a kernel's span past the latest end so far (ms per step, by kernel name, with counts).
+    Under programmatic dependent launch a kernel is placed while the one before it runs and waits
+    for it; its own span then overlaps, and only what it adds past that kernel's end counts here."""
+    spans = sorted((e.time_range.start, e.time_range.end, _short(e.name)) for e in events)
+    added: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    end = None
+    for start, stop, name in spans:
+        if end is None or stop > end:
+            added[name] += (stop - (start if end is None else max(start, end))) / 1e3 / steps  # us -> ms
+            end = stop
+        counts[name] += 1
+    worst = sorted(added.items(), key=lambda kv: -kv[1])[:top]
+    return {"busy_ms_per_step": sum(added.values()),
+            "top_ms_per_step": {k: round(v, 4) for k, v in worst},
+            "top_count_per_step": {k: counts[k] / steps for k, _ in worst}}  # fmt: skip
+
+
 def profile_host(engine, steps: int, top: int = 25) -> dict[str, float]:
     """The host functions with the most own time under cProfile, ms per step ("file:line function")."""
     prof = cProfile.Profile()
@@ -224,6 +244,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--shape", choices=("8b", "0.6b"), default="8b", help="the target's shape (draft: 0.6B)")
     ap.add_argument("--spec", type=int, default=0, help="speculate with K drafts per row (0: plain steps)")
     ap.add_argument("--spec-rate", type=float, default=0.8, help="synthetic acceptance rate (--spec)")
     ap.add_argument("--switch", type=int, default=0,
@@ -241,7 +262,8 @@ def main() -> None:
     cycle = args.switch + 1  # engine steps per timed unit
     vocab = 1024 if args.small else 151936
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
+        shape = QWEN3_0_6B if args.shape == "0.6b" else QWEN3_8B
+        folder = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else shape, vocab)
         engine_args = dict(
             device=args.device, dtype="float32" if device.type == "cpu" else "bfloat16",
             load_format="dummy", skip_tokenizer_init=True, max_num_seqs=max(args.batch, 1),
@@ -361,13 +383,14 @@ def main() -> None:
             wall_ms_per_step=wall, busy_ms_per_step=busy, idle_ms_per_step=wall - busy,
             kernels_per_step=len(events) / args.steps, top_kernels_ms_per_step=dict(top),
             runtime_ms_per_step=dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:6]),
-            gaps=kernel_gaps(events, args.steps),
+            gaps=kernel_gaps(events, args.steps), critical_path=critical_path(events, args.steps),
         )  # fmt: skip
 
     floor_ms = sum(t.numel() * t.element_size() for t in engine.model.parameters()) / 4.21e12 * 1e3
     result = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        shape="small" if args.small else "Qwen3-8B", batch=args.batch, prompt_len=args.prompt_len,
+        shape="small" if args.small else f"Qwen3-{args.shape.upper()}", batch=args.batch,
+        prompt_len=args.prompt_len,
         spec_k=args.spec, spec_rate=args.spec_rate if args.spec else None, steps=args.steps,
         floor_ms=floor_ms, phases_ms=phases, device_phases_ms=marks, host_profile_ms=host_profile,
         device_profile=device_stats,
@@ -408,6 +431,10 @@ def main() -> None:
         print(f"  idle between kernels {d['gaps']['idle_ms_per_step']:.3f} ms per step, largest:")
         for key, ms in d["gaps"]["top_ms_per_step"].items():
             print(f"    {ms:8.4f}  ({d['gaps']['top_count_per_step'][key]:.1f}x)  {key}")
+        crit = d["critical_path"]
+        print(f"  kernels moving the finish line, {crit['busy_ms_per_step']:.3f} ms per step, largest:")
+        for key, ms in crit["top_ms_per_step"].items():
+            print(f"    {ms:8.4f}  ({crit['top_count_per_step'][key]:.1f}x)  {key}")
 
 
 if __name__ == "__main__":

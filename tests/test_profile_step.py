@@ -128,6 +128,15 @@ def test_kernel_gaps_counts_idle_device_time_only():
         "_gemv_kernel -> argmax_kernel": pytest.approx(0.0025),
     }
     assert gaps["top_count_per_step"]["_rms_norm_kernel -> _gemv_kernel"] == 0.5
+    # critical_path: what each kernel adds past the latest end so far (the busy time, split by kernel)
+    crit = profile_step.critical_path(events, steps=2)
+    assert crit["top_ms_per_step"] == {
+        "_gemv_kernel": pytest.approx((10 + 5 + 2) / 1e3 / 2),
+        "argmax_kernel": pytest.approx(4 / 1e3 / 2),
+        "_rms_norm_kernel": pytest.approx(2 / 1e3 / 2),  # 10 -> 12 only; the tiny kernel adds nothing
+    }
+    assert crit["busy_ms_per_step"] == pytest.approx(23 / 1e3 / 2)
+    assert crit["top_count_per_step"]["_gemv_kernel"] == 1.5
 
 
 @pytest.mark.gpu
