@@ -157,8 +157,8 @@ def main() -> None:
         "thinkspec_noglu), 'gemv512' (the GEMV's 512-wide K tiles for every shape, thinkspec_gemv512), "
         "'noearly' (pdl.EARLY_RELEASE off: at one and two rows kernels no longer let the next one in right "
         "after their wait, nor the GEMV read its first weight tile before it, thinkspec_noearly); "
-        "'noprefetch' (pdl.PREFETCH off: attention and the q/k norm + rotary read nothing before their wait, "
-        "thinkspec_noprefetch); comma-separated",
+        "'noprefetch' (pdl.PREFETCH off: attention, the q/k norm + rotary and RMSNorm read nothing before "
+        "their wait, thinkspec_noprefetch); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
