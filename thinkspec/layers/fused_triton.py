@@ -225,9 +225,9 @@ def _qk_norm_rope_kernel(
     is_q = g < q_blocks
     w1, w2 = cos, sin  # placeholders without a norm
     if HAS_NORM:  # this program's heads' norm weight (q's or k's), as two halves
-        w1 = tl.load(tl.where(is_q, q_w_ptr, k_w_ptr) + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(tl.where(is_q, q_w_ptr, k_w_ptr) + HEAD_DIM // 2 + j, mask=j_ok, other=0.0)
-        w2 = w2.to(tl.float32)[None, :]
+        w_ptr = tl.where(is_q, q_w_ptr, k_w_ptr)
+        w1 = tl.load(w_ptr + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HEAD_DIM // 2 + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
     slot = 0
     if STORE_KV:
         slot = tl.load(slot_ptr + t)
