@@ -48,10 +48,10 @@ def test_gemv_config_fits_the_shape():
 
 
 def test_gemv_config_gives_few_long_rows_wider_k_tiles():
-    # the 0.6B's o (1024 x 2048) and down (1024 x 3072) at 1-2 rows: 2 outputs, 1024-wide K tiles
+    # the 0.6B's o (1024 x 2048) and down (1024 x 3072) at 1-2 rows: 2 outputs, 2048-wide K tiles
     for rows in (1, 2):
         for k in (2048, 3072):
-            assert gemv_triton.gemv_config(rows, 1024, k) == (2, 1024, 4, 1)
+            assert gemv_triton.gemv_config(rows, 1024, k) == (2, 2048, 4, 1)
         assert gemv_triton.gemv_config(rows, 1024, 1024) == (4, 512, 2, 1)  # short rows: the default
         assert gemv_triton.gemv_config(rows, 4096, 4096) == (4, 512, 2, 1)  # many outputs: the default
         assert gemv_triton.gemv_config(rows, 1024, 3072, glu=True) == (2, 512, 2, 1)
@@ -84,8 +84,8 @@ def test_interp_gemv_matches_linear(dtype, m, n, k, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2])
 def test_interp_gemv_few_outputs_over_long_rows(dtype, m):
-    # gemv_config's 1024-wide K tiles (n <= SMALL_N, k >= 2048 at 1-2 rows), K not a multiple of them
-    assert gemv_triton.gemv_config(m, 37, 2100)[1] == 1024
+    # gemv_config's 2048-wide K tiles (n <= SMALL_N, k >= 2048 at 1-2 rows), K not a multiple of them
+    assert gemv_triton.gemv_config(m, 37, 2100)[1] == 2048
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 2100, generator=g).to(dtype)
     w = (torch.randn(37, 2100, generator=g) / 2100**0.5).to(dtype)

@@ -121,14 +121,17 @@ def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, 
     (bench_gemv); num_stages makes no difference (nothing in the loop feeds a dot to pipeline).
     Few outputs over long rows (n <= SMALL_N, k >= 2048: the 0.6B's o and down) leave n / 4 programs,
     about two per SM, each walking K one 512 tile at a time: too few loads in flight to stream the
-    weight. There 2 outputs and 1024-wide K tiles per program, with 4 warps, measured 23-29% faster
-    (o 3.0 against 4.0 us, down 3.8 against 5.3 at 1 row; docs/BENCHMARKS.md, twelfth session).
+    weight. There 2 outputs and 2048-wide K tiles per program, with 4 warps: 1024-wide tiles measured
+    23-29% faster than the default (o 3.0 against 4.0 us, down 3.8 against 5.3 at 1 row; twelfth
+    session), 2048-wide ones faster again (at 2 rows o 2.75 against 3.32 us, down 3.87 against 4.29;
+    the 0.6B step 0.77 against 0.79 ms at 1 row, 0.88 against 0.91 at 2; docs/BENCHMARKS.md,
+    twenty-first session).
     With glu a program reads gate and up rows: half the outputs, the same weight rows per program
     (and registers: two accumulators of the full size spill at 2 rows)."""
     block_k = min(512, triton.next_power_of_2(k))
     block_n, warps = (4, 2) if num_rows <= 2 else (2, 4)
     if num_rows <= 2 and n <= SMALL_N and k >= 2048 and not glu:
-        block_n, block_k, warps = 2, 1024, 4
+        block_n, block_k, warps = 2, 2048, 4
     return block_n // 2 if glu else block_n, block_k, warps, 1
 
 
