@@ -116,6 +116,53 @@ def test_interp_launch_shapes_and_strided_operands(config):
     _check(skinny_gemm(xs, ws, b, config=config), x, w, b)
 
 
+def test_use_tma_needs_16_byte_addresses_and_rows(monkeypatch):
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    w = torch.zeros(64, 512, dtype=torch.bfloat16)
+    assert gs.use_tma(x, w)
+    assert gs.use_tma(x[:, :100], w[:, :100])  # a narrower view: rows still 1,024 bytes apart
+    assert not gs.use_tma(x[:, 1:101], w[:, :100])  # x starts 2 bytes past a 16-byte boundary
+    assert not gs.use_tma(x[:, :100], w[:, 8:108][:, 1:])  # so does w
+    assert not gs.use_tma(torch.zeros(4, 100, dtype=torch.bfloat16), w[:, :100])  # 200-byte rows
+    monkeypatch.setattr(gs, "TMA", False)
+    assert not gs.use_tma(x, w)
+
+
+@interp
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 37, 352), (17, 130, 256), (64, 64, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("config", "glu"), [(SMALL, False), (SPLIT3, False), (SMALL, True)])
+def test_interp_tensor_descriptors_give_the_pointer_loads_bits(monkeypatch, m, n, k, bias, config, glu):
+    # K tails (352 = 5.5 tiles of 64), N tails, padding rows, split K, GLU: the copy engine's zero fill
+    # must stand in for every mask
+    from triton.tools import tensor_descriptor
+
+    x, w, b = _operands(m, 2 * n if glu else n, k, bias)
+    made = []
+    real = tensor_descriptor.TensorDescriptor.from_tensor
+    monkeypatch.setattr(
+        tensor_descriptor.TensorDescriptor, "from_tensor", lambda *a, **kw: made.append(a) or real(*a, **kw)
+    )
+    with_tma = skinny_gemm(x, w, b, config=config, glu=glu)
+    assert len(made) == 2  # x and w went through descriptors
+    monkeypatch.setattr(gs, "TMA", False)
+    assert torch.equal(with_tma, skinny_gemm(x, w, b, config=config, glu=glu))
+    assert len(made) == 2
+    if not glu:
+        _check(with_tma, x, w, b)
+
+
+@interp
+def test_interp_misaligned_views_take_pointer_loads():
+    # rows 1,024 bytes apart but starting 2 bytes past a 16-byte boundary: no descriptor can take them
+    x, w, b = _operands(9, 70, 420, True, seed=5)
+    wide_x = torch.randn(9, 512).to(torch.bfloat16)
+    wide_w = torch.randn(70, 512).to(torch.bfloat16)
+    wide_x[:, 1:421] = x
+    wide_w[:, 1:421] = w
+    _check(skinny_gemm(wide_x[:, 1:421], wide_w[:, 1:421], b, config=SMALL), x, w, b)
+
+
 @interp
 def test_interp_zeros_and_large_values():
     x, w, b = _operands(5, 70, 200, True)

@@ -16,6 +16,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
 from triton import compile as triton_compile  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -46,13 +47,16 @@ def compile_sm90(
     for p in kernel.params:
         if p.is_constexpr:
             signature[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
-            signature[p.name] = "*" + pointers[p.name]
+        elif p.name.endswith("_ptr"):  # a pointer, or a tensor descriptor ("tensordesc<bf16[64,128]>")
+            kind = pointers[p.name]
+            signature[p.name] = kind if kind.startswith("tensordesc") else "*" + kind
         else:
             signature[p.name] = "fp32" if p.name in FLOATS else "i32"
     # As at run time, where Triton specialises on it: pointers and these scalars are 16-aligned.
     divisible = [
-        i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ALIGNED or name in aligned
+        i
+        for i, (name, kind) in enumerate(signature.items())
+        if (name.endswith("_ptr") and kind.startswith("*")) or name in ALIGNED or name in aligned
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     constexprs = {"PDL": False, **constexprs} if "PDL" in signature else constexprs
@@ -269,7 +273,7 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
         constexprs = {
             "HAS_BIAS": not split_out, "SPLIT": split_out, "GLU": False,
             "BLOCK_M": max(16, triton.next_power_of_2(rows)), "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "EVEN_K": True, "DOT_F32": False, "PDL": pdl,
+            "EVEN_K": True, "DOT_F32": False, "PDL": pdl, "TMA": False, "X_DTYPE": tl.bfloat16,
         }  # fmt: skip
         ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
         ptrs["y_ptr"] = "fp32" if split_out else "bf16"
@@ -284,26 +288,38 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     compile_sm90(gs._split_k_sum_kernel, ptrs, constexprs, 4)
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize(
     ("glu", "key"),
     [(False, key) for key in gs.SKINNY_GEMM_TABLE] + [(True, key) for key in gs.SKINNY_GLU_TABLE],
 )
-def test_skinny_gemm_table_entries_compile(glu, key):
-    # every launch shape the tables send an engine product to: pipelined, no spills, fits shared memory
+def test_skinny_gemm_table_entries_compile(glu, key, tma):
+    # every launch shape the tables send an engine product to, with pointer loads and with tensor
+    # descriptors (TMA): pipelined, no spills, fits shared memory
     rows, n, k = key
     block_n, block_k, split, warps, stages = (gs.SKINNY_GLU_TABLE if glu else gs.SKINNY_GEMM_TABLE)[key]
     assert not glu or split == 1
+    block_m = max(16, rows)
     constexprs = {
-        "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": max(16, rows), "BLOCK_N": block_n,
-        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "DOT_F32": False, "PDL": True,
+        "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "DOT_F32": False, "PDL": True, "TMA": tma,
+        "X_DTYPE": tl.bfloat16,
     }  # fmt: skip
     ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
+    if tma:
+        ptrs["x_ptr"] = f"tensordesc<bf16[{block_m},{block_k}]>"
+        ptrs["w_ptr"] = f"tensordesc<bf16[{block_n},{block_k}]>"
     ptrs["y_ptr"] = "fp32" if split > 1 or n == 151936 else "bf16"  # partials; logits in float32
     aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
     kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
     usage = resource_usage(kernel.asm["cubin"])
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-    assert "async_copy_global_to_local" in kernel.asm["ttgir"]
+    if tma:  # the tiles come through the copy engine, several in flight
+        assert "async_copy_global_to_local" not in kernel.asm["ttgir"]
+        loads = kernel.asm["ptx"].count("cp.async.bulk.tensor")
+        assert loads >= 2 * (stages - 1), f"the tile loads are not pipelined ({loads} copy instructions)"
+    else:
+        assert "async_copy_global_to_local" in kernel.asm["ttgir"]
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 

@@ -12,6 +12,13 @@ at the HBM rate and nothing else:
   MMA's wide dimension is spent on the weight's rows and the narrow one on the batch; num_stages
   keeps that many W tiles in flight.
 
+  On Hopper (and under the interpreter) the tiles come through tensor descriptors (TMA: the copy
+  engine fetches a whole tile into shared memory; no per-element addresses, no masks, zeros past the
+  tensor's edges), whenever both operands' addresses and row strides are multiples of 16 bytes;
+  otherwise through pointer loads. TMA measured on the H200 engine: the batch-16 / 64 steps 4.68 /
+  5.37 ms against 4.74 / 5.43, the batch-1 k = 6 speculative step's device time 9.78 against 10.00 ms
+  (docs/BENCHMARKS.md, twenty-first session).
+
   SPLIT_K > 1 (when N / BLOCK_N programs alone would leave SMs idle, as at N = 4096) writes float32
   partials [SPLIT_K, M, N], and a second small launch sums them in a fixed order, adds the bias and
   rounds once: no atomics, so the result does not depend on timing.
@@ -38,6 +45,7 @@ from thinkspec.layers.fused_triton import silu_mul
 from thinkspec.layers.gemv_triton import product_operands
 from thinkspec.layers.pdl import launch_args, release_next, wait_prior
 
+TMA = True  # read at launch: W and x tiles through tensor descriptors where the operands allow it
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
 MAX_ROWS = 64
 ROW_BUCKETS = (4, 8, 16, 32, 64)  # the row counts bench_skinny_gemm measures; rows round up to one
@@ -138,6 +146,8 @@ def _skinny_gemm_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
     DOT_F32: tl.constexpr,  # widen the operands first (exact): the CPU interpreter's bf16 dot is wrong
     PDL: tl.constexpr,
+    TMA: tl.constexpr,  # x_ptr, w_ptr are tensor descriptors of [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K] tiles
+    X_DTYPE: tl.constexpr,  # x's element type: GLU rounds SiLU(gate) and up to it, as the unfused pair does
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -146,32 +156,46 @@ def _skinny_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     # Out-of-range columns and padding rows read valid rows (wrapped) instead of masking the
     # streaming loads; their results are never stored.
-    w_rows = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
-    x_rows = rows % M
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
-    x_base = x_ptr + x_rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
-    wait_prior(PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_base + k0, eviction_policy="evict_first")
-            x = tl.load(x_base + k0)
-        else:
-            # masked on both sides: out-of-range x could be inf/NaN, and inf * 0 is NaN
-            k_ok = (k0 + ks) < k_end
-            w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
-        acc = _tile_dot(w, x, acc, DOT_F32)
-        if GLU:
+    if TMA:
+        # The copy engine fetches whole tiles and fills rows and columns past the tensor with zeros:
+        # no index arithmetic per element, no masks.
+        wait_prior(PDL)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+            x = x_ptr.load([0, k0])
+            acc = _tile_dot(w, x, acc, DOT_F32)
+            if GLU:
+                w_up = w_ptr.load([N + pid_n * BLOCK_N, k0])
+                acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
+    else:
+        w_rows = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+        x_rows = rows % M
+        w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
+        x_base = x_ptr + x_rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
+        wait_prior(PDL)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
-                w_up = tl.load(up_base + k0, eviction_policy="evict_first")
+                w = tl.load(w_base + k0, eviction_policy="evict_first")
+                x = tl.load(x_base + k0)
             else:
-                w_up = tl.load(up_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
+                # masked on both sides: out-of-range x could be inf/NaN, and inf * 0 is NaN
+                k_ok = (k0 + ks) < k_end
+                w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
+            acc = _tile_dot(w, x, acc, DOT_F32)
+            if GLU:
+                if EVEN_K:
+                    w_up = tl.load(up_base + k0, eviction_policy="evict_first")
+                else:
+                    w_up = tl.load(up_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
     release_next(PDL)
     store_ok = (cols < N)[:, None] & (rows < M)[None, :]
     if SPLIT:
@@ -183,7 +207,7 @@ def _skinny_gemm_kernel(
         if GLU:
             if HAS_BIAS:
                 acc_up += tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-            acc = silu_mul(acc, acc_up, x_ptr.dtype.element_ty)
+            acc = silu_mul(acc, acc_up, X_DTYPE)
         out = y_ptr + rows[None, :] * stride_y + cols[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=store_ok)
 
@@ -222,6 +246,17 @@ def _split_k_sum_kernel(
 
 
 _SUM_BLOCK = 1024
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product of x [M, K] and weight [N, K] (contiguous last dims) reads its tiles through
+    tensor descriptors: TMA on, Hopper or newer (or the CPU interpreter, which emulates them), and both
+    operands' addresses and row strides multiples of 16 bytes, as the copy engine needs."""
+    if not TMA or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    size = x.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x, weight))
 
 
 def skinny_gemm(
@@ -258,17 +293,24 @@ def skinny_gemm(
     pdl = launch_args(x.device)
     meta = dict(
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_F32=x.device.type == "cpu", num_warps=warps, num_stages=stages, **pdl,
+        DOT_F32=x.device.type == "cpu", TMA=use_tma(x, weight), X_DTYPE=_TL_DTYPES[x.dtype], num_warps=warps,
+        num_stages=stages, **pdl,
     )  # fmt: skip
+    xa, wa = x, weight  # pointers, or tensor descriptors of the tiles
+    if meta["TMA"]:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xa = TensorDescriptor.from_tensor(x, [meta["BLOCK_M"], block_k])
+        wa = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     if split == 1:
         _skinny_gemm_kernel[grid](
-            x, x.stride(0), weight, weight.stride(0), b, y, y.stride(0), 0, m, n, k, k_per_split,
+            xa, x.stride(0), wa, weight.stride(0), b, y, y.stride(0), 0, m, n, k, k_per_split,
             HAS_BIAS=bias is not None, SPLIT=False, GLU=glu, **meta,
         )  # fmt: skip
         return y
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[grid](
-        x, x.stride(0), weight, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
+        xa, x.stride(0), wa, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
         HAS_BIAS=False, SPLIT=True, GLU=False, **meta,
     )  # fmt: skip
     _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
