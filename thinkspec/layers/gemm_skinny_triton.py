@@ -154,48 +154,40 @@ def _skinny_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    # Out-of-range columns and padding rows read valid rows (wrapped) instead of masking the
-    # streaming loads; their results are never stored.
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if TMA:
-        # The copy engine fetches whole tiles and fills rows and columns past the tensor with zeros:
-        # no index arithmetic per element, no masks.
-        wait_prior(PDL)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            w = w_ptr.load([pid_n * BLOCK_N, k0])
-            x = x_ptr.load([0, k0])
-            acc = _tile_dot(w, x, acc, DOT_F32)
-            if GLU:
-                w_up = w_ptr.load([N + pid_n * BLOCK_N, k0])
-                acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
-    else:
+    if not TMA:
+        # Out-of-range columns and padding rows read valid rows (wrapped) instead of masking the
+        # streaming loads; their results are never stored. (Descriptors fill them with zeros.)
         w_rows = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
         x_rows = rows % M
         w_base = w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
         x_base = x_ptr + x_rows[:, None] * stride_x + ks[None, :]  # [BLOCK_M, BLOCK_K]
         up_base = w_base + N.to(tl.int64) * stride_w  # GLU: the up rows, N rows further
-        wait_prior(PDL)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_base + k0, eviction_policy="evict_first")
-                x = tl.load(x_base + k0)
+    wait_prior(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if GLU else (1, 1), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if TMA:  # whole tiles from the copy engine, zeros past the tensor's edges: no masks
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+            x = x_ptr.load([0, k0])
+        elif EVEN_K:
+            w = tl.load(w_base + k0, eviction_policy="evict_first")
+            x = tl.load(x_base + k0)
+        else:
+            # masked on both sides: out-of-range x could be inf/NaN, and inf * 0 is NaN
+            k_ok = (k0 + ks) < k_end
+            w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
+        acc = _tile_dot(w, x, acc, DOT_F32)
+        if GLU:
+            if TMA:
+                w_up = w_ptr.load([N + pid_n * BLOCK_N, k0])
+            elif EVEN_K:
+                w_up = tl.load(up_base + k0, eviction_policy="evict_first")
             else:
-                # masked on both sides: out-of-range x could be inf/NaN, and inf * 0 is NaN
-                k_ok = (k0 + ks) < k_end
-                w = tl.load(w_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_base + k0, mask=k_ok[None, :], other=0.0)
-            acc = _tile_dot(w, x, acc, DOT_F32)
-            if GLU:
-                if EVEN_K:
-                    w_up = tl.load(up_base + k0, eviction_policy="evict_first")
-                else:
-                    w_up = tl.load(up_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
+                w_up = tl.load(up_base + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
     release_next(PDL)
     store_ok = (cols < N)[:, None] & (rows < M)[None, :]
     if SPLIT:
