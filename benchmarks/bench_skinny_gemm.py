@@ -18,6 +18,7 @@ projection (what the dispatch table gives).
     python benchmarks/bench_skinny_gemm.py --out skinny.json
     python benchmarks/bench_skinny_gemm.py --table-from skinny.json   # entries for SKINNY_GEMM_TABLE
     python benchmarks/bench_skinny_gemm.py --glu --out glu.json       # gate_up + SiLU: SKINNY_GLU_TABLE
+    python benchmarks/bench_skinny_gemm.py --glu --rows 64 --no-tma   # pointer loads instead of TMA
     TRITON_INTERPRET=1 python benchmarks/bench_skinny_gemm.py --small   # CPU smoke (tiny shapes)
 """
 
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 import triton
 from bench_gemv import graph_us
 
+from thinkspec.layers import gemm_skinny_triton
 from thinkspec.layers.gemm_skinny_triton import ROW_BUCKETS, Config, skinny_gemm
 
 # (name, N, K, layers)
@@ -222,12 +224,16 @@ def main() -> None:
     ap.add_argument(
         "--glu", action="store_true", help="gate_up with SiLU(gate) * up fused, vs cuBLAS + silu_and_mul"
     )
+    ap.add_argument(
+        "--no-tma", action="store_true", help="pointer loads only (no tensor descriptors), to compare the two"
+    )
     ap.add_argument("--table-from", default=None, help="print SKINNY_GEMM_TABLE entries from a result JSON")
     ap.add_argument("--min-gain", type=float, default=0.03, help="--table-from: least gain over cuBLAS")
     args = ap.parse_args()
     if args.table_from:
         print_table(args.table_from, args.min_gain)
         return
+    gemm_skinny_triton.TMA = not args.no_tma
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     grid = {name: ints(getattr(args, name)) for name in ("block_n", "block_k", "split", "warps", "stages")}
     if args.small:
@@ -256,8 +262,8 @@ def main() -> None:
     print(f"{time.perf_counter() - start:.0f} s")
     if args.out:
         device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
-        result = dict(device=device, bandwidth=args.bandwidth, grid=grid, glu=args.glu, rows=rows_out,
-                      step_totals=totals)  # fmt: skip
+        result = dict(device=device, bandwidth=args.bandwidth, grid=grid, glu=args.glu, tma=not args.no_tma,
+                      rows=rows_out, step_totals=totals)  # fmt: skip
         result["table"] = [dict(rows=key[0], n=key[1], k=key[2], config=cfg)
                            for key, cfg in table_entries(result, args.min_gain).items()]  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=1))
