@@ -60,7 +60,9 @@ Config = tuple[int, int, int, int, int]
 # which prints the entries (cells where the best launch shape beat cuBLAS by --min-gain).
 # Measured 2026-12-01 on the H200: Qwen3-8B's projections at 16, 32 and 64 rows
 # (benchmarks/results/2026-12-01-skinny-gemm-h200.json) and at 4 and 8 rows (a batch-1 verify of
-# k + 1 tokens; ...-skinny-gemm-h200-rows-4-8.json); other shapes stay on cuBLAS.
+# k + 1 tokens; ...-skinny-gemm-h200-rows-4-8.json); other shapes stay on cuBLAS. Entries marked (TMA)
+# were re-measured 2026-12-03 with the tiles through tensor descriptors
+# (benchmarks/results/2026-12-03-skinny-tma-h200.json).
 SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (4, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.1 vs cuBLAS 12.6 us
     (4, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.1 vs cuBLAS 30.2 us
@@ -71,14 +73,16 @@ SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (8, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.5 vs cuBLAS 15.5 us
     (8, 24576, 4096): (64, 64, 1, 4, 5),  # gate_up: 47.5 vs cuBLAS 52.6 us
     (8, 151936, 4096): (128, 128, 1, 8, 4),  # lm_head: 279.4 vs cuBLAS 289.7 us
-    (16, 4096, 4096): (32, 256, 1, 4, 5),  # o: 11.5 vs cuBLAS 13.5 us
+    (16, 4096, 4096): (64, 256, 2, 4, 5),  # o: 10.8 vs cuBLAS 12.8 us (TMA)
     (16, 4096, 12288): (32, 256, 1, 4, 5),  # down: 26.8 vs cuBLAS 28.7 us
-    (16, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.9 vs cuBLAS 15.7 us
+    (16, 6144, 4096): (64, 256, 1, 4, 4),  # qkv: 14.2 vs cuBLAS 15.8 us (TMA)
     (16, 151936, 4096): (128, 128, 1, 8, 3),  # lm_head: 280.8 vs cuBLAS 290.9 us
     (32, 4096, 4096): (64, 128, 1, 4, 5),  # o: 12.4 vs cuBLAS 13.8 us
-    (32, 4096, 12288): (64, 128, 2, 4, 5),  # down: 28.2 vs cuBLAS 29.4 us
+    (32, 4096, 12288): (64, 128, 2, 4, 5),  # down: 27.3 vs cuBLAS 29.0 us (TMA)
     (32, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 15.3 vs cuBLAS 16.0 us
-    (64, 4096, 12288): (64, 128, 2, 4, 5),  # down: 29.7 vs cuBLAS 31.4 us
+    (64, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.8 vs cuBLAS 12.2 us (TMA)
+    (64, 4096, 12288): (64, 128, 2, 4, 5),  # down: 28.1 vs cuBLAS 31.2 us (TMA)
+    (64, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 15.1 vs cuBLAS 16.1 us (TMA)
 }
 
 # The same for gate_up with SiLU(gate) * up in the epilogue (glu=True), keyed by (rows bucket, I, K)
