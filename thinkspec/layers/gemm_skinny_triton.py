@@ -62,15 +62,15 @@ Config = tuple[int, int, int, int, int]
 # (benchmarks/results/2026-12-01-skinny-gemm-h200.json) and at 4 and 8 rows (a batch-1 verify of
 # k + 1 tokens; ...-skinny-gemm-h200-rows-4-8.json); other shapes stay on cuBLAS. Entries marked (TMA)
 # were re-measured 2026-12-03 with the tiles through tensor descriptors
-# (benchmarks/results/2026-12-03-skinny-tma-h200.json).
+# (benchmarks/results/2026-12-03-skinny-tma-h200.json; the 8-row ones in ...-skinny-tma-vs-pointer-h200.json).
 SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (4, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.1 vs cuBLAS 12.6 us
     (4, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.1 vs cuBLAS 30.2 us
     (4, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.4 vs cuBLAS 15.5 us
     (4, 151936, 4096): (64, 128, 1, 4, 5),  # lm_head: 276.5 vs cuBLAS 290.8 us
     (8, 4096, 4096): (32, 256, 1, 4, 5),  # o: 11.0 vs cuBLAS 12.4 us
-    (8, 4096, 12288): (128, 64, 4, 4, 5),  # down: 26.2 vs cuBLAS 30.3 us
-    (8, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.5 vs cuBLAS 15.5 us
+    (8, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.6 vs cuBLAS 28.4 us (TMA)
+    (8, 6144, 4096): (64, 256, 1, 4, 4),  # qkv: 14.2 vs cuBLAS 15.0 us (TMA)
     (8, 24576, 4096): (64, 64, 1, 4, 5),  # gate_up: 47.5 vs cuBLAS 52.6 us
     (8, 151936, 4096): (128, 128, 1, 8, 4),  # lm_head: 279.4 vs cuBLAS 289.7 us
     (16, 4096, 4096): (64, 256, 2, 4, 5),  # o: 10.8 vs cuBLAS 12.8 us (TMA)
