@@ -43,7 +43,7 @@ import triton.language as tl
 
 from thinkspec.layers.fused_triton import silu_mul
 from thinkspec.layers.gemv_triton import product_operands
-from thinkspec.layers.pdl import launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import hopper_or_newer, launch_args, release_next, wait_prior
 
 TMA = True  # read at launch: W and x tiles through tensor descriptors where the operands allow it
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
@@ -249,7 +249,7 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product of x [M, K] and weight [N, K] (contiguous last dims) reads its tiles through
     tensor descriptors: TMA on, Hopper or newer (or the CPU interpreter, which emulates them), and both
     operands' addresses and row strides multiples of 16 bytes, as the copy engine needs."""
-    if not TMA or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9):
+    if not TMA or (x.is_cuda and not hopper_or_newer(x.device)):
         return False
     size = x.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x, weight))

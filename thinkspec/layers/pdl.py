@@ -61,11 +61,16 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether launches on device go out with PDL (ENABLED, CUDA, compute capability 9 or newer)."""
-    if not ENABLED or device.type != "cuda":
+def hopper_or_newer(device: torch.device) -> bool:
+    """Whether device is a CUDA GPU of compute capability 9 or newer (asked once per GPU)."""
+    if device.type != "cuda":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether launches on device go out with PDL (ENABLED, CUDA, compute capability 9 or newer)."""
+    return ENABLED and hopper_or_newer(device)
 
 
 def launch_args(device: torch.device) -> dict:
