@@ -421,10 +421,13 @@ def _cuda_kernel_names(fn) -> list[str]:
 
 @gpu
 @torch.inference_mode()
-def test_gpu_qwen3_8b_layer_fused_launches_fewer_kernels_and_matches():
-    layer, pos, x, residual, meta = _qwen3_8b_layer(t=1)
+@pytest.mark.parametrize("t", [1, 64])
+def test_gpu_qwen3_8b_layer_fused_launches_fewer_kernels_and_matches(t):
+    # t = 1: the GEMV; t = 64: the skinny GEMM, whose o / down split K and run the norms after them
+    layer, pos, x, residual, meta = _qwen3_8b_layer(t=t)
+    next_norm = layer.input_layernorm  # any norm of the hidden size stands for the next layer's
     with forward_context(meta):
-        run = lambda: layer(pos, x, residual)
+        run = lambda: layer(pos, x, residual, next_norm)
         ref = run()  # torch path (also warms up cuBLAS and the attention kernels)
         torch_names = _cuda_kernel_names(run)
         set_fused_kernels(layer, True)
@@ -436,7 +439,7 @@ def test_gpu_qwen3_8b_layer_fused_launches_fewer_kernels_and_matches():
         # one CUDA graph of the fused layer replays what it computes eagerly
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = layer(pos, x, residual)
+            captured = layer(pos, x, residual, next_norm)
         graph.replay()
         torch.cuda.synchronize()
         for a, b in zip(captured, out):
@@ -445,8 +448,13 @@ def test_gpu_qwen3_8b_layer_fused_launches_fewer_kernels_and_matches():
     print(f"kernels per layer: torch path {len(torch_names)}, fused {len(fused_names)}: {fused_names}")
     assert len(torch_names) >= 40, torch_names  # the profiler saw the unfused element-wise kernels
     assert len(fused_names) <= len(torch_names) - 40
-    for kernel in ("_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_and_mul_kernel"):
-        assert any(kernel in n for n in fused_names), (kernel, fused_names)
+    if t == 1:
+        kernels = ("_rms_norm_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_and_mul_kernel")
+    else:  # both norms in the split-K sum launches; SiLU * up in the gate/up product
+        kernels = ("_split_k_sum_rms_norm_kernel", "_split_k_sum_rms_norm_kernel", "_qk_norm_rope_kernel")
+        assert not any("_rms_norm_kernel" in n and "split" not in n for n in fused_names), fused_names
+    for kernel in set(kernels):
+        assert sum(kernel in n for n in fused_names) >= kernels.count(kernel), (kernel, fused_names)
     # no torch element-wise, reduction, cat or gather kernel is left but the attention output's fill
     aten = [n for n in fused_names if "at::native" in n and "Fill" not in n]
     assert not aten, aten

@@ -321,6 +321,110 @@ def test_interp_merged_linear_fuses_silu_where_a_kernel_takes_it(monkeypatch):
         three.silu_and_mul(x.float())
 
 
+def _norm_operands(m: int, n: int, seed: int = 1):
+    # residual [m, n] and norm weight [n] in bf16, the weight spread around 1 as trained ones are
+    g = torch.Generator().manual_seed(seed + m + n)
+    residual = (3 * torch.randn(m, n, generator=g)).bfloat16()
+    return residual, (1 + 0.2 * torch.randn(n, generator=g)).bfloat16()
+
+
+@interp
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 37, 100), (16, 64, 256), (17, 200, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [SMALL, SPLIT2, SPLIT3], ids=["split1", "split2", "split3"])
+def test_interp_rms_norm_in_the_sum_launch_is_the_two_launches(monkeypatch, m, n, k, bias, config):
+    from thinkspec.layers.fused_triton import rms_norm
+
+    x, w, b = _operands(m, n, k, bias)
+    residual, norm_w = _norm_operands(m, n)
+    two = rms_norm(skinny_gemm(x, w, b, config=config), norm_w, 1e-6, residual)
+    calls = []
+    monkeypatch.setattr(gs, "rms_norm", lambda *a: calls.append(1) or rms_norm(*a))
+    normed, stream = gs.skinny_gemm_rms_norm(x, w, b, residual, norm_w, 1e-6, config=config)
+    assert torch.equal(stream, two[1]) and torch.equal(normed, two[0])  # bit for bit
+    assert calls == ([1] if config == SMALL else [])  # the norm's own launch only when K is not split
+    # and the formula itself: s = bf16(x @ w.T + b) + residual, weight * bf16(s * rsqrt(mean(s^2) + eps))
+    h = _reference(x, w, b)
+    sf = (h.bfloat16().float() + residual.float()).bfloat16().float()
+    # the product's rounding and the sum's, each an ulp at most (and the product's float32 sum order)
+    assert ((stream.float() - sf).abs() <= (h.abs() + sf.abs()) * 2**-7 + 1e-3).all()
+    ref = norm_w.float() * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().float()
+    torch.testing.assert_close(normed.float(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
+@interp
+def test_interp_rms_norm_in_the_sum_launch_rejects_bad_operands():
+    x, w, _ = _operands(8, 64, 128, False)
+    residual, norm_w = _norm_operands(8, 64)
+    with pytest.raises(ValueError, match="residual"):
+        gs.skinny_gemm_rms_norm(x, w, None, residual[:, :32], norm_w, 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        gs.skinny_gemm_rms_norm(x, w, None, residual.float(), norm_w, 1e-6)
+
+
+@interp
+def test_interp_row_parallel_linear_adds_and_norms_in_the_sum_launch(monkeypatch):
+    from thinkspec.distributed.parallel_state import TPLayout
+    from thinkspec.layers.norm import RMSNorm
+
+    calls = []
+    real = gs.skinny_gemm_rms_norm
+    monkeypatch.setattr(gs, "skinny_gemm_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gs, "SKINNY_GEMM_TABLE", {(16, 64, 256): SPLIT2})
+    layer = linear.RowParallelLinear(256, 64, bias=True, tp=TPLayout()).to(torch.bfloat16)
+    norm = RMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(_norm_operands(1, 64)[1])
+    x = torch.randn(16, 256).bfloat16()
+    residual = _norm_operands(16, 64)[0]
+    for fused in (False, True):  # the torch path, then the kernels (norm.fused decides the fusion)
+        layer.skinny_gemm = norm.fused = fused
+        with torch.no_grad():
+            out = layer.add_rms_norm(x, residual, norm)
+            ref = norm(layer(x), residual)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        assert len(calls) == int(fused)
+    with torch.no_grad():
+        layer.add_rms_norm(x[:4], residual[:4], norm)  # bucket 4: not in the table, cuBLAS and the norm
+    assert len(calls) == 1
+
+
+@interp
+def test_interp_decoder_runs_each_norm_in_the_sum_launch_before_it(monkeypatch):
+    # a tiny Qwen3 whose o_proj and down_proj split K on the skinny GEMM at 16 rows: the model's hidden
+    # states are those of the same kernels with the norms as their own launches, bit for bit
+    from checkpoints import tiny_checkpoint
+
+    from thinkspec.layers.forward_context import AttentionMetadata, forward_context
+    from thinkspec.models.loader import load_model
+
+    model, _ = load_model(tiny_checkpoint("qwen3", tied=False))
+    model.to(torch.bfloat16)
+    cfg = model.config
+    o, down = model.model.layers[0].self_attn.o_proj, model.model.layers[0].mlp.down_proj
+    table = {(16, cfg.hidden_size, o.in_features): SPLIT2, (16, cfg.hidden_size, down.in_features): SPLIT2}
+    monkeypatch.setattr(gs, "SKINNY_GEMM_TABLE", table)
+    model.set_fused_kernels(True)
+    t = 16
+    ids, positions = torch.arange(10, 10 + t), torch.arange(t)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+        seq_lens=torch.tensor([t], dtype=torch.int32), slot_mapping=torch.full((t,), -1),
+        block_tables=torch.full((1, 1), -1, dtype=torch.int32),
+        max_query_len=t, max_seq_len=t,
+    )  # fmt: skip
+    calls = []
+    real = gs.skinny_gemm_rms_norm
+    monkeypatch.setattr(gs, "skinny_gemm_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad(), forward_context(meta):
+        fused = model(ids, positions)
+        assert len(calls) == 2 * cfg.num_hidden_layers  # every norm but the first layer's input norm
+        monkeypatch.setattr(
+            linear.RowParallelLinear, "add_rms_norm", lambda self, x, residual, norm: norm(self(x), residual)
+        )
+        assert torch.equal(fused, model(ids, positions))
+
+
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
 
@@ -377,6 +481,26 @@ def test_gpu_glu_matches_the_two_launches(m, config):
     err = (fused.float() - two.float()).abs()
     assert (err <= two.float().abs() * 2**-7 + 1e-6).all()
     assert (fused == two).float().mean().item() > 0.999
+
+
+@gpu
+@torch.inference_mode()
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288)])
+@pytest.mark.parametrize("m", [4, 8, 16, 64])
+def test_gpu_rms_norm_in_the_sum_launch_is_the_two_launches(n, k, m):
+    # Qwen3-8B's o and down with the residual add + RMSNorm after them, at the launch shapes the
+    # tables give (split or not): the same bits as the product, then fused_triton.rms_norm
+    from thinkspec.layers.fused_triton import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    residual = (4 * torch.randn(m, n, device="cuda", generator=g)).bfloat16()
+    norm_w = (1 + 0.2 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    for config in (None, (64, 128, 2, 4, 5), (32, 256, 4, 4, 3)):
+        normed, stream = gs.skinny_gemm_rms_norm(x, w, None, residual, norm_w, 1e-6, config=config)
+        two = rms_norm(skinny_gemm(x, w, config=config), norm_w, 1e-6, residual)
+        assert torch.equal(stream, two[1]) and torch.equal(normed, two[0])
 
 
 @gpu

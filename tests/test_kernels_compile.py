@@ -112,9 +112,9 @@ def test_rms_norm_compiles(dtype, residual, pdl, prefetch):
     # without prefetch makes of it after its wait (x and the residual wait), nothing stored
     ptrs = _all(dtype, "x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr")
     constexprs = {"HAS_RESIDUAL": residual, "BLOCK": 4096, "PREFETCH": prefetch, "PDL": pdl}
-    kernel = compile_sm90(ft._rms_norm_kernel, ptrs, constexprs, 8, **ft._COMPILE)
+    kernel = compile_sm90(ft._rms_norm_kernel, ptrs, constexprs, 8, **ft.FP_COMPILE)
     if prefetch:
-        twin = compile_sm90(ft._rms_norm_kernel, ptrs, {**constexprs, "PREFETCH": False}, 8, **ft._COMPILE)
+        twin = compile_sm90(ft._rms_norm_kernel, ptrs, {**constexprs, "PREFETCH": False}, 8, **ft.FP_COMPILE)
         ptx, twin_ptx = kernel.asm["ptx"], twin.asm["ptx"]
         before = _global_loads(ptx[: ptx.index("griddepcontrol.wait")])
         loads = _global_loads(twin_ptx)  # x's, the residual's and the weight's, alike in width
@@ -138,12 +138,12 @@ def test_qk_norm_rope_compiles(block_h, has_norm, store_kv, pdl, prefetch):
         "PREFETCH": prefetch, "PDL": pdl,
     }  # fmt: skip
     warps = min(max(block_h * 64 // 128, 1), 4)
-    kernel = compile_sm90(ft._qk_norm_rope_kernel, ptrs, constexprs, warps, **ft._COMPILE)
+    kernel = compile_sm90(ft._qk_norm_rope_kernel, ptrs, constexprs, warps, **ft.FP_COMPILE)
     if prefetch:
         # what it reads before the wait is what the build without prefetch reads between its wait and
         # its release (the position, the slot, the rotary row and the norm weights), no activation
         twin = compile_sm90(
-            ft._qk_norm_rope_kernel, ptrs, {**constexprs, "PREFETCH": False}, warps, **ft._COMPILE
+            ft._qk_norm_rope_kernel, ptrs, {**constexprs, "PREFETCH": False}, warps, **ft.FP_COMPILE
         )
         ptx, twin_ptx = kernel.asm["ptx"], twin.asm["ptx"]
         wait, release = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
@@ -163,7 +163,7 @@ def test_greedy_argmax_compiles_without_spills(pdl):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_silu_and_mul_compiles(pdl):
     ptrs = _all("bf16", "x_ptr", "out_ptr")
-    compile_sm90(ft._silu_and_mul_kernel, ptrs, {"BLOCK": 1024, "PDL": pdl}, 4, **ft._COMPILE)
+    compile_sm90(ft._silu_and_mul_kernel, ptrs, {"BLOCK": 1024, "PDL": pdl}, 4, **ft.FP_COMPILE)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -286,6 +286,29 @@ def test_skinny_gemm_compiles_pipelined_without_spills(rows, config, pdl):
     ptrs = {"part_ptr": "fp32", "b_ptr": "bf16", "y_ptr": "bf16"}
     constexprs = {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024, "PDL": pdl}
     compile_sm90(gs._split_k_sum_kernel, ptrs, constexprs, 4)
+
+
+@pytest.mark.parametrize(("pdl", "prefetch"), [(False, False), (True, False), (True, True)])
+def test_split_k_sum_rms_norm_compiles(pdl, prefetch):
+    # the sum of o / down's partials with the norm after it (4096 columns, 8 warps, as rms_norm's);
+    # prefetch: only the norm's weight is read before the wait, as in the RMSNorm kernel
+    ptrs = {"part_ptr": "fp32", **_all("bf16", "b_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr")}
+    constexprs = {"SPLIT_K": 2, "HAS_BIAS": False, "BLOCK": 4096, "PREFETCH": prefetch, "PDL": pdl}
+    aligned = ("stride_res", "MN", "N")
+    kernel = compile_sm90(gs._split_k_sum_rms_norm_kernel, ptrs, constexprs, 8, aligned, **ft.FP_COMPILE)
+    usage = resource_usage(kernel.asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    if prefetch:
+        twin_constexprs = {**constexprs, "PREFETCH": False}
+        kernel_fn = gs._split_k_sum_rms_norm_kernel
+        twin = compile_sm90(kernel_fn, ptrs, twin_constexprs, 8, aligned, **ft.FP_COMPILE)
+        ptx, twin_ptx = kernel.asm["ptx"], twin.asm["ptx"]
+        before = _global_loads(ptx[: ptx.index("griddepcontrol.wait")])
+        after = _global_loads(twin_ptx[twin_ptx.index("griddepcontrol.wait") :])
+        assert _global_loads(ptx) == _global_loads(twin_ptx) and before
+        # after the wait without prefetch: the two float32 partial rows (twice a bf16 row's loads each),
+        # the residual and the weight; with prefetch the weight's alone come before it
+        assert len(after) == (2 * 2 + 2) * len(before)
 
 
 @pytest.mark.parametrize("tma", [False, True])

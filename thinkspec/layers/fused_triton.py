@@ -26,7 +26,12 @@ import triton.language as tl
 
 from thinkspec.layers.pdl import early_release, launch_args, prefetch, release_next, wait_prior
 
-_COMPILE = {"enable_fp_fusion": False}
+FP_COMPILE = {"enable_fp_fusion": False}  # no FMA contraction the torch path does not do
+
+
+def rms_norm_warps(block: int) -> int:
+    """num_warps of a one-row-per-program RMSNorm over `block` columns (the reduction's order follows it)."""
+    return min(max(block // 512, 1), 16)
 
 
 @triton.jit
@@ -106,7 +111,7 @@ def rms_norm(
             x2, x2.stride(0), res2, res2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
             weight, n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, EARLY=early_release(rows), PREFETCH=prefetch(),
-            num_warps=min(max(block // 512, 1), 16), **_COMPILE, **launch_args(x.device),
+            num_warps=rms_norm_warps(block), **FP_COMPILE, **launch_args(x.device),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)
@@ -339,7 +344,7 @@ def qk_norm_rope(
         w_q, w_k, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         hq, hkv, eps, v, v.stride(0), v.stride(1), k_cache, v_cache, *cache_strides, slots, block_size,
         HAS_NORM=has_norm, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE_KV=kv_store is not None,
-        PREFETCH=prefetch(), num_warps=min(max(block_h * block_half // 128, 1), 4), **_COMPILE,
+        PREFETCH=prefetch(), num_warps=min(max(block_h * block_half // 128, 1), 4), **FP_COMPILE,
         **launch_args(q.device),
     )  # fmt: skip
     return q_out, k_out
@@ -396,6 +401,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_and_mul needs the last dim of x contiguous")
     block = min(triton.next_power_of_2(n), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-        x, x.stride(0), out, out.stride(0), n, BLOCK=block, num_warps=4, **_COMPILE, **launch_args(x.device)
+        x, x.stride(0), out, out.stride(0), n, BLOCK=block, num_warps=4, **FP_COMPILE, **launch_args(x.device)
     )
     return out

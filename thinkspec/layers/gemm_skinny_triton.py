@@ -22,6 +22,9 @@ at the HBM rate and nothing else:
   SPLIT_K > 1 (when N / BLOCK_N programs alone would leave SMs idle, as at N = 4096) writes float32
   partials [SPLIT_K, M, N], and a second small launch sums them in a fixed order, adds the bias and
   rounds once: no atomics, so the result does not depend on timing.
+  `skinny_gemm_rms_norm` folds the residual add and RMSNorm that follow o_proj and down_proj into
+  that sum launch (one program per row): the norm's launch is gone, the values are those of the
+  product followed by fused_triton.rms_norm, bit for bit.
 
 With glu (SKINNY_GLU_TABLE) the weight holds gate rows then up rows: each K step loads both tiles
 of a program's outputs, K is never split, and the epilogue writes SiLU(gate) * up.
@@ -41,9 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.fused_triton import silu_mul
+from thinkspec.layers.fused_triton import FP_COMPILE, rms_norm, rms_norm_warps, silu_mul
 from thinkspec.layers.gemv_triton import product_operands
-from thinkspec.layers.pdl import hopper_or_newer, launch_args, release_next, wait_prior
+from thinkspec.layers.pdl import hopper_or_newer, launch_args, prefetch, release_next, wait_prior
 
 TMA = True  # read at launch: W and x tiles through tensor descriptors where the operands allow it
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
@@ -63,18 +66,22 @@ Config = tuple[int, int, int, int, int]
 # k + 1 tokens; ...-skinny-gemm-h200-rows-4-8.json); other shapes stay on cuBLAS. Entries marked (TMA)
 # were re-measured 2026-12-03 with the tiles through tensor descriptors
 # (benchmarks/results/2026-12-03-skinny-tma-h200.json; the 8-row ones in ...-skinny-tma-vs-pointer-h200.json).
+# o at 8 rows and down at 16 split K although unsplit shapes measured 0-0.2 us faster alone: split, the
+# residual add + RMSNorm after them run in the sum launch (skinny_gemm_rms_norm), and the batch-1 k = 6
+# verify took 4.545 against 4.621 ms, the batch-16 step 4.593 against 4.623 (docs/BENCHMARKS.md,
+# twenty-third session).
 SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (4, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.1 vs cuBLAS 12.6 us
     (4, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.1 vs cuBLAS 30.2 us
     (4, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.4 vs cuBLAS 15.5 us
     (4, 151936, 4096): (64, 128, 1, 4, 5),  # lm_head: 276.5 vs cuBLAS 290.8 us
-    (8, 4096, 4096): (32, 256, 1, 4, 5),  # o: 11.0 vs cuBLAS 12.4 us
+    (8, 4096, 4096): (64, 256, 2, 4, 5),  # o: split so that the norm after it joins the sum (see below)
     (8, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.6 vs cuBLAS 28.4 us (TMA)
     (8, 6144, 4096): (64, 256, 1, 4, 4),  # qkv: 14.2 vs cuBLAS 15.0 us (TMA)
     (8, 24576, 4096): (64, 64, 1, 4, 5),  # gate_up: 47.5 vs cuBLAS 52.6 us
     (8, 151936, 4096): (128, 128, 1, 8, 4),  # lm_head: 279.4 vs cuBLAS 289.7 us
     (16, 4096, 4096): (64, 256, 2, 4, 5),  # o: 10.8 vs cuBLAS 12.8 us (TMA)
-    (16, 4096, 12288): (32, 256, 1, 4, 5),  # down: 26.8 vs cuBLAS 28.7 us
+    (16, 4096, 12288): (64, 128, 2, 4, 5),  # down: the same
     (16, 6144, 4096): (64, 256, 1, 4, 4),  # qkv: 14.2 vs cuBLAS 15.8 us (TMA)
     (16, 151936, 4096): (128, 128, 1, 8, 3),  # lm_head: 280.8 vs cuBLAS 290.9 us
     (32, 4096, 4096): (64, 128, 1, 4, 5),  # o: 12.4 vs cuBLAS 13.8 us
@@ -241,6 +248,51 @@ def _split_k_sum_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _split_k_sum_rms_norm_kernel(
+    part_ptr,  # [SPLIT_K, M, N] float32, contiguous
+    b_ptr,  # [N] (HAS_BIAS)
+    res_ptr,  # [M, N] residual in, last dim contiguous
+    stride_res,
+    out_ptr,  # [M, N] normed out, contiguous
+    res_out_ptr,  # [M, N] product + residual out, contiguous
+    w_ptr,  # [N] norm weight
+    MN,
+    N,
+    eps,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= N: one program per row
+    PREFETCH: tl.constexpr,  # pdl.PREFETCH: the norm's weight read before the wait
+    PDL: tl.constexpr,
+):
+    # The sum of _split_k_sum_kernel, then _rms_norm_kernel's residual add and norm, in their orders.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    if PREFETCH:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    wait_prior(PDL)
+    part = part_ptr + row * N + cols
+    acc = tl.load(part, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part + s * MN, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = acc.to(res_out_ptr.dtype.element_ty)  # the product, rounded once
+    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    x = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # `x + residual`
+    tl.store(res_out_ptr + row * N + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
+    if not PREFETCH:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = w.to(tl.float32) * y.to(tl.float32)
+    release_next(PDL)
+    tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 _SUM_BLOCK = 1024
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -271,6 +323,48 @@ def skinny_gemm(
     fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul; K is never split:
     SiLU needs whole sums).
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
+    return _skinny_product(x, weight, bias, config, glu, out, None)  # type: ignore[return-value]
+
+
+def skinny_gemm_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    config: Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K], weight [N, K], bias [N] or None, residual [M, N], norm_weight [N] (all of x's dtype,
+    bf16 or fp16) -> (RMSNorm(h + residual), h + residual), both [M, N], with h = x @ weight.T + bias:
+    the values of fused_triton.rms_norm(skinny_gemm(x, weight, bias), norm_weight, eps, residual), bit
+    for bit. When the launch splits K, the residual add and the norm run in the launch that sums the
+    partials (one launch fewer); otherwise the two launches run as written."""
+    n = weight.shape[0]
+    if residual.shape != (x.shape[0], n) or norm_weight.shape != (n,):
+        shapes = f"residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}"
+        raise ValueError(f"skinny_gemm_rms_norm needs [{x.shape[0]}, {n}] / [{n}], got {shapes}")
+    if residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
+        dtypes = f"{x.dtype}, {residual.dtype}, {norm_weight.dtype}"
+        raise ValueError(f"skinny_gemm_rms_norm takes x, residual and norm weight of one dtype, got {dtypes}")
+    norm = (residual, norm_weight.contiguous(), eps)
+    fused = _skinny_product(x, weight, bias, config, False, None, norm)
+    if isinstance(fused, tuple):
+        return fused
+    return rms_norm(fused, norm_weight, eps, residual)  # type: ignore[return-value]
+
+
+def _skinny_product(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: Config | None,
+    glu: bool,
+    out: torch.Tensor | None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (residual [M, N], weight [N], eps)
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """skinny_gemm's launches -> y [M, N]; with norm, when K is split: (normed, y + residual) from the
+    sum launch (see skinny_gemm_rms_norm), else y alone."""
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(
             f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
@@ -309,6 +403,18 @@ def skinny_gemm(
         xa, x.stride(0), wa, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
         HAS_BIAS=False, SPLIT=True, GLU=False, **meta,
     )  # fmt: skip
+    if norm is not None:
+        residual, norm_weight, eps = norm
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+        res_out = torch.empty_like(y)
+        block = triton.next_power_of_2(n)
+        _split_k_sum_rms_norm_kernel[(m,)](
+            part, b, residual, residual.stride(0), y, res_out, norm_weight, m * n, n, eps,
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, PREFETCH=prefetch(),
+            num_warps=rms_norm_warps(block), **FP_COMPILE, **pdl,
+        )  # fmt: skip
+        return y, res_out
     _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
         part, b, y, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4, **pdl
     )

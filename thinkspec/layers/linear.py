@@ -7,6 +7,8 @@ larger weights (gate/up, lm_head) it reaches it (benchmarks/bench_gemv.py, docs/
 With `skinny_gemm` on as well, products of 3..64 rows go to the Triton tensor-core GEMM of
 gemm_skinny_triton.py, but only for the (rows bucket, N, K) that its SKINNY_GEMM_TABLE lists (the
 shapes where bench_skinny_gemm measured it faster than cuBLAS); everything else stays on F.linear.
+`RowParallelLinear.add_rms_norm` (o_proj, down_proj) hands the residual add and RMSNorm that follow the
+product to the skinny GEMM, which runs them in its split-K sum launch.
 `MergedLinear` runs several projections sharing one input as a single matmul: checkpoints store
 them separately (q_proj/k_proj/v_proj, gate_proj/up_proj); the loader copies each one into its
 row range with `load_shard`.
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thinkspec.distributed.parallel_state import TPLayout, all_reduce
+from thinkspec.layers.norm import RMSNorm
 
 GEMV_MAX_ROWS = 2  # from 4 rows on cuBLAS's tensor-core kernels win (bench_gemv)
 GEMV_MAX_WEIGHT = 64 * 1024**2  # elements; Qwen3-8B's gate/up (100M) and lm_head stay on cuBLAS
@@ -119,6 +122,19 @@ class RowParallelLinear(Linear):
             return self.product(x, self.bias)
         y = all_reduce(self.product(x, None))  # the partial products carry no bias
         return y if self.bias is None else y + self.bias
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, in / size], residual: [T, out] -> (norm(s), s) with s = self(x) + residual, as
+        # norm(self(x), residual) computes them; on the skinny GEMM (one rank, the fused norm kernel)
+        # the add and the norm run in the launch that sums its split-K partials
+        one_dtype = residual.dtype == x.dtype == norm.weight.dtype
+        if self.tp.size == 1 and norm.fused and one_dtype and self.triton_kernel(x) == "skinny":
+            from thinkspec.layers.gemm_skinny_triton import skinny_gemm_rms_norm
+
+            return skinny_gemm_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
+        return norm(self(x), residual)  # type: ignore[return-value]
 
 
 class MergedLinear(Linear):

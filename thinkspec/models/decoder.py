@@ -9,7 +9,9 @@ Two code paths compute the same values: the torch ops (the reference, and the CP
 Triton kernels (layers/fused_triton.py: residual add + RMSNorm, q/k norm + rotary, SiLU * up), chosen
 for the whole model by `DecoderForCausalLM.set_fused_kernels`; the engine turns the kernels on with
 the Triton attention backend. Layers pass (hidden, residual) along as vLLM does, so that each
-residual add happens inside the norm that follows it.
+residual add happens inside the norm that follows it; a layer ends with the next layer's input norm,
+so that where the product before a norm splits K on the skinny GEMM, the add and the norm run in its
+sum launch (one launch fewer per norm).
 
 Tensor parallelism (built for a TPLayout of `size` ranks): each rank holds num_heads / size query
 heads and their KV heads (qkv_proj column-parallel), intermediate / size MLP features (gate_up_proj
@@ -77,8 +79,15 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.fused = False  # True: q/k norm + rotary in one Triton kernel
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [T] int64; x: [T, hidden] -> [T, hidden]
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm: RMSNorm | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int64; x: [T, hidden] -> o_proj's output [T, hidden]; with residual and norm
+        # ([T, hidden], the norm after the residual add): (norm(s), s), s = that output + residual
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -87,7 +96,7 @@ class DecoderAttention(nn.Module):
         if self.fused:
             from thinkspec.layers.fused_triton import qk_norm_rope
 
-            norm = self.q_norm is not None
+            has_qk_norm = self.q_norm is not None
             # The same launch writes k/v into this layer's cache, once the pool exists.
             kv_stored = self.attn.k_cache.numel() > 0
             store = None
@@ -95,15 +104,17 @@ class DecoderAttention(nn.Module):
                 store = (v, self.attn.k_cache, self.attn.v_cache, get_forward_context().slot_mapping)
             q, k = qk_norm_rope(
                 positions, q, k, self.rotary[0].cos_sin_cache,
-                self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                self.q_norm.eps if norm else 0.0, store,
+                self.q_norm.weight if has_qk_norm else None, self.k_norm.weight if has_qk_norm else None,
+                self.q_norm.eps if has_qk_norm else 0.0, store,
             )  # fmt: skip
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](positions, q, k)
-        o = self.attn(q, k, v, kv_stored)  # [T, Hq, D]
-        return self.o_proj(o.flatten(1))
+        o = self.attn(q, k, v, kv_stored).flatten(1)  # [T, Hq * D]
+        if norm is None:
+            return self.o_proj(o)
+        return self.o_proj.add_rms_norm(o, residual, norm)
 
 
 class DecoderMLP(nn.Module):
@@ -117,13 +128,19 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
         self.fused = False  # True: SiLU(gate) * up in one Triton kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, hidden] -> down_proj's output [T, hidden]; with residual and norm: (norm(s), s), s =
+        # that output + residual (as DecoderAttention.forward)
         if self.fused:
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(F.silu(gate) * up)
+            h = self.gate_up_proj.silu_and_mul(x)
+        else:
+            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, intermediate] each
+            h = F.silu(gate) * up
+        if norm is None:
+            return self.down_proj(h)
+        return self.down_proj.add_rms_norm(h, residual, norm)
 
 
 class DecoderLayer(nn.Module):
@@ -147,18 +164,15 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(cfg, bias=mlp_bias, tp=tp)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] int64; x: [T, hidden], the previous layer's MLP output (the embeddings for
-        # the first layer, where residual is None); residual: [T, hidden], the stream before x.
-        # Returns (this layer's MLP output, the stream before it); their sum is the layer's output.
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)  # residual = x + residual, x = norm(that)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # positions: [T] int64; x: [T, hidden], this layer's input already through input_layernorm;
+        # residual: [T, hidden], the stream before it. Returns (next_norm(s), s) with s the stream
+        # after this layer; next_norm is the next layer's input_layernorm (the final norm after the
+        # last layer), so that each residual add and norm can run in the launch of the product before
+        # it (RowParallelLinear.add_rms_norm).
+        x, residual = self.self_attn(positions, x, residual, self.post_attention_layernorm)
+        return self.mlp(x, residual, next_norm)  # type: ignore[return-value]
 
 
 class DecoderModel(nn.Module):
@@ -175,10 +189,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> [T, hidden]
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual) if len(self.layers) else self.norm(residual)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual = layer(positions, x, residual, next_norm)
         return x
 
 
