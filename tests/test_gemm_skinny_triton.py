@@ -425,6 +425,42 @@ def test_interp_decoder_runs_each_norm_in_the_sum_launch_before_it(monkeypatch):
         assert torch.equal(fused, model(ids, positions))
 
 
+@interp
+def test_interp_paged_model_runs_the_norms_in_the_sum_launches(monkeypatch):
+    # a tiny bf16 Qwen3 over a paged KV pool whose o and down products split K at 4 and 32 rows: logits
+    # over a prefill (with padding rows), a decode and a verify step equal those with the norms as their
+    # own launches, bit for bit
+    from checkpoints import PagedHarness, tiny_checkpoint
+
+    from thinkspec.models.loader import load_model
+
+    model, _ = load_model(tiny_checkpoint("qwen3", tied=False))
+    model.to(torch.bfloat16)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    hidden = model.config.hidden_size
+    shapes = [(hidden, attn.o_proj.in_features), (hidden, mlp.down_proj.in_features)]
+    table = {(rows, n, k): cfg for rows, cfg in ((4, SPLIT2), (32, SPLIT3)) for n, k in shapes}
+    monkeypatch.setattr(gs, "SKINNY_GEMM_TABLE", table)
+    calls = []
+    real = gs.skinny_gemm_rms_norm
+    monkeypatch.setattr(gs, "skinny_gemm_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    steps = [[(0, list(range(20, 33))), (1, [5, 6, 7])], [(0, [40]), (1, [41])], [(1, [42, 43, 44])]]
+
+    def logits():
+        model.set_fused_kernels(True)
+        h = PagedHarness(model, num_blocks=16, block_size=4, seed=1)
+        with torch.no_grad():
+            return [h.step(batch, pad_rows=2 if i == 0 else 0) for i, batch in enumerate(steps)]
+
+    fused = logits()
+    assert len(calls) == 2 * 2 * model.config.num_hidden_layers  # the 18- and 3-row steps
+    monkeypatch.setattr(
+        linear.RowParallelLinear, "add_rms_norm", lambda self, x, residual, norm: norm(self(x), residual)
+    )
+    for a, b in zip(fused, logits()):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
 

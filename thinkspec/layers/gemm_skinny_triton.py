@@ -22,9 +22,9 @@ at the HBM rate and nothing else:
   SPLIT_K > 1 (when N / BLOCK_N programs alone would leave SMs idle, as at N = 4096) writes float32
   partials [SPLIT_K, M, N], and a second small launch sums them in a fixed order, adds the bias and
   rounds once: no atomics, so the result does not depend on timing.
-  `skinny_gemm_rms_norm` folds the residual add and RMSNorm that follow o_proj and down_proj into
-  that sum launch (one program per row): the norm's launch is gone, the values are those of the
-  product followed by fused_triton.rms_norm, bit for bit.
+  `skinny_gemm_rms_norm` sums them with the residual add and RMSNorm that follow o_proj and down_proj
+  instead (one program per row, one launch fewer), with the values of the sum launch followed by
+  fused_triton.rms_norm, bit for bit.
 
 With glu (SKINNY_GLU_TABLE) the weight holds gate rows then up rows: each K step loads both tiles
 of a program's outputs, K is never split, and the epilogue writes SiLU(gate) * up.
@@ -69,7 +69,8 @@ Config = tuple[int, int, int, int, int]
 # o at 8 rows and down at 16 split K although unsplit shapes measured 0-0.2 us faster alone: split, the
 # residual add + RMSNorm after them run in the sum launch (skinny_gemm_rms_norm), and the batch-1 k = 6
 # verify took 4.545 against 4.621 ms, the batch-16 step 4.593 against 4.623 (docs/BENCHMARKS.md,
-# twenty-third session).
+# twenty-third session). (q/k/v split the same way with its partials summed in the q/k norm + rotary
+# kernel measured slower: batch 64 5.336 against 5.241 ms; not kept.)
 SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (4, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.1 vs cuBLAS 12.6 us
     (4, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.1 vs cuBLAS 30.2 us
@@ -323,7 +324,7 @@ def skinny_gemm(
     fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul; K is never split:
     SiLU needs whole sums).
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
-    return _skinny_product(x, weight, bias, config, glu, out, None)  # type: ignore[return-value]
+    return _skinny_product(x, weight, bias, config, glu, out, keep_partials=False)
 
 
 def skinny_gemm_rms_norm(
@@ -347,11 +348,20 @@ def skinny_gemm_rms_norm(
     if residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
         dtypes = f"{x.dtype}, {residual.dtype}, {norm_weight.dtype}"
         raise ValueError(f"skinny_gemm_rms_norm takes x, residual and norm weight of one dtype, got {dtypes}")
-    norm = (residual, norm_weight.contiguous(), eps)
-    fused = _skinny_product(x, weight, bias, config, False, None, norm)
-    if isinstance(fused, tuple):
-        return fused
-    return rms_norm(fused, norm_weight, eps, residual)  # type: ignore[return-value]
+    y = _skinny_product(x, weight, bias, config, False, None, keep_partials=True)
+    if y.dim() == 2:  # K not split
+        return rms_norm(y, norm_weight, eps, residual)  # type: ignore[return-value]
+    split, m, n = y.shape
+    if residual.stride(1) != 1:
+        residual = residual.contiguous()
+    normed, stream = (torch.empty(m, n, dtype=x.dtype, device=x.device) for _ in range(2))
+    block = triton.next_power_of_2(n)
+    _split_k_sum_rms_norm_kernel[(m,)](
+        y, bias if bias is not None else norm_weight, residual, residual.stride(0), normed, stream,
+        norm_weight.contiguous(), m * n, n, eps, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
+        PREFETCH=prefetch(), num_warps=rms_norm_warps(block), **FP_COMPILE, **launch_args(x.device),
+    )  # fmt: skip
+    return normed, stream
 
 
 def _skinny_product(
@@ -361,10 +371,10 @@ def _skinny_product(
     config: Config | None,
     glu: bool,
     out: torch.Tensor | None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (residual [M, N], weight [N], eps)
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """skinny_gemm's launches -> y [M, N]; with norm, when K is split: (normed, y + residual) from the
-    sum launch (see skinny_gemm_rms_norm), else y alone."""
+    keep_partials: bool,
+) -> torch.Tensor:
+    """skinny_gemm's launches -> y [M, N]; with keep_partials, when K is split, the float32 partials
+    [S, M, N] instead (no bias added: skinny_gemm_rms_norm's kernel adds it)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(
             f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
@@ -403,18 +413,8 @@ def _skinny_product(
         xa, x.stride(0), wa, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
         HAS_BIAS=False, SPLIT=True, GLU=False, **meta,
     )  # fmt: skip
-    if norm is not None:
-        residual, norm_weight, eps = norm
-        if residual.stride(1) != 1:
-            residual = residual.contiguous()
-        res_out = torch.empty_like(y)
-        block = triton.next_power_of_2(n)
-        _split_k_sum_rms_norm_kernel[(m,)](
-            part, b, residual, residual.stride(0), y, res_out, norm_weight, m * n, n, eps,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, PREFETCH=prefetch(),
-            num_warps=rms_norm_warps(block), **FP_COMPILE, **pdl,
-        )  # fmt: skip
-        return y, res_out
+    if keep_partials:
+        return part
     _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
         part, b, y, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4, **pdl
     )
