@@ -76,7 +76,7 @@ SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (4, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.1 vs cuBLAS 30.2 us
     (4, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 14.4 vs cuBLAS 15.5 us
     (4, 151936, 4096): (64, 128, 1, 4, 5),  # lm_head: 276.5 vs cuBLAS 290.8 us
-    (8, 4096, 4096): (64, 256, 2, 4, 5),  # o: split so that the norm after it joins the sum (see below)
+    (8, 4096, 4096): (64, 256, 2, 4, 5),  # o: split so that the norm after it joins the sum (see above)
     (8, 4096, 12288): (64, 128, 2, 4, 5),  # down: 26.6 vs cuBLAS 28.4 us (TMA)
     (8, 6144, 4096): (64, 256, 1, 4, 4),  # qkv: 14.2 vs cuBLAS 15.0 us (TMA)
     (8, 24576, 4096): (64, 64, 1, 4, 5),  # gate_up: 47.5 vs cuBLAS 52.6 us
