@@ -35,6 +35,20 @@ def rms_norm_warps(block: int) -> int:
 
 
 @triton.jit
+def rms_norm_row(x, w, w_ptr, cols, mask, n_cols, eps, PREFETCH: tl.constexpr):
+    """One row's RMSNorm in RMSNorm.forward's roundings: x [BLOCK] in the model dtype (zero past n_cols),
+    w [BLOCK] the weight when PREFETCH (read before the PDL wait), else read here from w_ptr + cols
+    after the statistics -> `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)` [BLOCK] float32, for the
+    caller's store to round once. Shared by every kernel that ends in the norm, so all reduce alike."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)  # `x.to(dtype)`
+    if not PREFETCH:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return w.to(tl.float32) * y.to(tl.float32)  # `self.weight * x`
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [T, N], last dim contiguous
     stride_x,
@@ -56,6 +70,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = cols  # without PREFETCH rms_norm_row reads the weight itself
     if PREFETCH:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     wait_prior(PDL)
@@ -66,12 +81,7 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # `x + residual`
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / n_cols
-    y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)  # `x.to(dtype)`
-    if not PREFETCH:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * y.to(tl.float32)  # `self.weight * x`, rounded once below
+    out = rms_norm_row(x, w, w_ptr, cols, mask, n_cols, eps, PREFETCH)
     if not EARLY:
         release_next(PDL)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.layers.fused_triton import FP_COMPILE, rms_norm, rms_norm_warps, silu_mul
+from thinkspec.layers.fused_triton import FP_COMPILE, rms_norm, rms_norm_row, rms_norm_warps, silu_mul
 from thinkspec.layers.gemv_triton import product_operands
 from thinkspec.layers.pdl import hopper_or_newer, launch_args, prefetch, release_next, wait_prior
 
@@ -271,6 +271,7 @@ def _split_k_sum_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = cols  # without PREFETCH rms_norm_row reads the weight itself
     if PREFETCH:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     wait_prior(PDL)
@@ -284,12 +285,7 @@ def _split_k_sum_rms_norm_kernel(
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     x = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # `x + residual`
     tl.store(res_out_ptr + row * N + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
-    if not PREFETCH:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * y.to(tl.float32)
+    out = rms_norm_row(x, w, w_ptr, cols, mask, N, eps, PREFETCH)
     release_next(PDL)
     tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
