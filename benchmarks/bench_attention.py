@@ -1,6 +1,7 @@
 """Decode attention of a small batch over the paged KV cache: Triton launch shapes side by side.
 
-Qwen3-8B heads (32 query, 8 KV, head dim 128), bf16, KV block size 16, block tables shuffled.
+Qwen3-8B heads (32 query, 8 KV, head dim 128; --heads 16,8: Qwen3-0.6B's), bf16, KV block size 16,
+block tables shuffled.
 For each context length and batch, builds one KV cache per layer (so a step's caches do not sit
 in L2, as in a real step), captures a CUDA graph of one backend forward per layer (KV store,
 zero-fill, attention and, when split, the merge: everything a decode step pays for
@@ -28,10 +29,13 @@ HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
 
 
 def decode_case(
-    batch: int, context: int, layers: int, dev: torch.device, gen: torch.Generator, queries: int = 1
+    batch: int, context: int, layers: int, dev: torch.device, gen: torch.Generator, queries: int = 1,
+    heads: tuple[int, int] = (HQ, HKV),
 ):
     """(q, k, v [batch * queries, H, D], per-layer (k_cache, v_cache) [blocks, 16, HKV, D], metadata):
-    each sequence feeds its last `queries` positions of `context` (1: decode, k+1: a verify)."""
+    each sequence feeds its last `queries` positions of `context` (1: decode, k+1: a verify); heads:
+    (query heads H, KV heads HKV)."""
+    hq, hkv = heads
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
     perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq]
@@ -46,7 +50,7 @@ def decode_case(
         max_query_len=queries,
         max_seq_len=context,
     )
-    shape = (num_blocks, BLOCK_SIZE, HKV, D)
+    shape = (num_blocks, BLOCK_SIZE, hkv, D)
     caches = [
         (
             torch.randn(shape, device=dev, dtype=torch.bfloat16),
@@ -54,9 +58,9 @@ def decode_case(
         )
         for _ in range(layers)
     ]
-    q = torch.randn(batch * queries, HQ, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(batch * queries, HKV, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(batch * queries, HKV, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(batch * queries, hq, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch * queries, hkv, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(batch * queries, hkv, D, device=dev, dtype=torch.bfloat16)
     return q, k, v, caches, meta
 
 
@@ -77,6 +81,7 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,3")
+    ap.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads, KV heads (16,8: Qwen3-0.6B)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--bandwidth", type=float, default=4.21e12)
     ap.add_argument("--out", default=None)
@@ -85,12 +90,13 @@ def main() -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     grid = list(itertools.product(ints(args.block_n), ints(args.splits), ints(args.warps), ints(args.stages)))
     gen = torch.Generator().manual_seed(0)
+    hq, hkv = ints(args.heads)
     rows = []
     for queries, batch, context in itertools.product(
         ints(args.queries), ints(args.batches), ints(args.contexts)
     ):
-        q, k, v, caches, meta = decode_case(batch, context, args.layers, dev, gen, queries)
-        floor_us = batch * context * HKV * D * 2 * 2 / args.bandwidth * 1e6
+        q, k, v, caches, meta = decode_case(batch, context, args.layers, dev, gen, queries, (hq, hkv))
+        floor_us = batch * context * hkv * D * 2 * 2 / args.bandwidth * 1e6
         case = (q, k, v, caches, meta)
         ref = TritonAttentionBackend().forward(q, k, v, *caches[0], meta, D**-0.5).float()
         default_us = layer_us(TritonAttentionBackend(), case)
@@ -125,7 +131,8 @@ def main() -> None:
         )
         del caches, case
         torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(dev), "layers": args.layers, "rows": rows}
+    device = torch.cuda.get_device_name(dev)
+    result = {"device": device, "layers": args.layers, "heads": [hq, hkv], "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
