@@ -173,6 +173,14 @@ def test_store_kv_compiles(pdl):
     compile_sm90(at._store_kv_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128, "PDL": pdl}, 4)
 
 
+# The attention kernel's strides are multiples of 16 at the engine's shapes (head_dim 128; q a view of the
+# q/k/v product), and Triton specialises such ints at launch: compiled so here too, as the engine runs it.
+ATTENTION_STRIDES = (
+    "stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_ot", "stride_oh", "stride_os",
+    "stride_ft", "stride_fh",
+)  # fmt: skip
+
+
 def _attention_pointers(dtype: str, splits: int) -> dict[str, str]:
     ptrs = _all(dtype, "q_ptr", "k_cache_ptr", "v_cache_ptr", "final_ptr")
     ptrs.update(block_tables_ptr="i32", query_start_ptr="i32", seq_lens_ptr="i32")
@@ -208,23 +216,31 @@ def test_paged_attention_compiles(dtype, splits, block_q, fused, pdl):
         compile_sm90(at._combine_kernel, ptrs, constexprs, 4)
 
 
-@pytest.mark.parametrize(("splits", "block_q"), [(1, 4), (2, 4), (1, 8), (4, 8)])
-def test_paged_attention_128_key_tiles_compile(splits, block_q):
-    # the shapes choose_block_n gives 128-key tiles: bf16, 16 rows (decode) and 32 rows (verify
-    # windows of up to 8 queries), unsplit and split (merged in-kernel), at Triton's default launch
-    # options, with PDL and the L2 prefetch as the engine launches them on the H200. At 4 warps both
-    # tile sizes use all 255 registers and some stack (24-88 bytes for 64-key tiles, 32-144 for 128-key
-    # ones, with the Triton of this wheel; 8 warps spill 440-504): the bound catches that kind of
-    # spill; no local-memory arrays, shared memory fits.
+@pytest.mark.parametrize(
+    ("group", "block_q", "block_n", "splits"),
+    [(4, 4, 64, 1), (4, 4, 64, 8), (2, 8, 64, 8), (4, 8, 64, 4), (4, 4, 128, 1), (4, 4, 128, 2),
+     (4, 8, 128, 1), (4, 8, 128, 4)],
+)  # fmt: skip
+def test_paged_attention_copies_kv_tiles_16_bytes_at_a_time(group, block_q, block_n, splits):
+    # bf16 decode (16 rows: Qwen3-8B's 4 query heads per KV head, the 0.6B's 2) and verify tiles (32 rows),
+    # 64- and 128-key tiles, unsplit and split (merged in-kernel), with PDL and the L2 prefetch, compiled
+    # as launched: the K/V tiles go to shared memory in 16-byte asynchronous copies, no scalar 2-byte
+    # loads, no spills, shared memory fits. With the strides left unspecialised (do_not_specialize) the
+    # same kernel loads K and V two bytes at a time into registers (Triton 3.9: 255 registers and a
+    # 24-byte stack for the 64-key decode tile).
     constexprs = {
-        "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "BLOCK_N": 128,
-        "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": splits > 1, "FP32_DOT": False,
-        "PREFETCH_LINES": 2, "LINE": 64, "PDL": True,
+        "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP": group, "GROUP_PAD": group, "BLOCK_Q": block_q,
+        "BLOCK_N": block_n, "BLOCK_D": 128, "NUM_SPLITS": splits, "FUSE_COMBINE": splits > 1,
+        "FP32_DOT": False, "PREFETCH_LINES": 2, "LINE": 64, "PDL": True,
     }  # fmt: skip
+    assert not {p.name for p in at._paged_attn_kernel.params if p.do_not_specialize} & set(ATTENTION_STRIDES)
     ptrs = _attention_pointers("bf16", splits)
-    kernel = compile_sm90(at._paged_attn_kernel, ptrs, constexprs, 4, num_stages=3)
+    kernel = compile_sm90(at._paged_attn_kernel, ptrs, constexprs, 4, ATTENTION_STRIDES, num_stages=3)
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx), "K/V not copied 16 bytes at a time"
+    assert "ld.global.b16" not in _global_loads(ptx)
     usage = resource_usage(kernel.asm["cubin"])
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= 256, usage
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
