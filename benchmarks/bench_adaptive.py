@@ -22,6 +22,11 @@ median tok/s with its min-max. The acceptance criteria reported per batch size:
   adaptive / max(plain, best fixed k)  >= 0.95   (good profile)
   adaptive / plain                     >= 0.98   (bad profile); >= 1.9 at batch 1 (good profile)
 
+Repetition r draws its acceptance with seed --acceptance-seed + r, the same in every cell. At batch 1
+a run is one request of about 70 steps, so its speculating cells move by up to 10-15% from one draw to
+the next: judge adaptive / plain there over ten or more repetitions (docs/BENCHMARKS.md, twenty-fourth
+session: 1.919 over three draws, 1.891 and 1.844 over two sets of ten).
+
 --toy measures the bundled toy pair instead (target and draft of thinkspec/assets/toy-reasoner/),
 with real acceptance: relaxed thinking on (--relax RATIO:TOP_K), the qwen3 reasoning parser, as
 `thinkspec sweep` runs it. A cell at batch b answers the first b problems of a fixed-seed toy
