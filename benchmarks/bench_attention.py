@@ -90,7 +90,10 @@ def main() -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     grid = list(itertools.product(ints(args.block_n), ints(args.splits), ints(args.warps), ints(args.stages)))
     gen = torch.Generator().manual_seed(0)
-    hq, hkv = ints(args.heads)
+    heads = ints(args.heads)
+    if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
+        ap.error(f"--heads takes 'query heads,KV heads', a multiple of the KV heads, got {args.heads!r}")
+    hq, hkv = heads
     rows = []
     for queries, batch, context in itertools.product(
         ints(args.queries), ints(args.batches), ints(args.contexts)
