@@ -9,6 +9,11 @@ attention) and reports microseconds per layer and the ratio to the HBM floor of 
 once (--bandwidth). Each launch shape is checked against the split-free default first. Writes
 JSON (--out) and prints the best shape per context last.
 
+--layouts nhd,hnd times each case over two cache layouts side by side: nhd is the engine's [blocks,
+16, HKV, D] (a block's tokens interleave their heads: one head's rows lie 2 KiB apart), hnd stores
+each block head-major ([blocks, HKV, 16, D], seen through a permuted view of the same shape, so one
+head's 16 rows are 4 KiB in a row); the kernels read either through their strides.
+
     python benchmarks/bench_attention.py --out attention.json
 """
 
@@ -64,6 +69,14 @@ def decode_case(
     return q, k, v, caches, meta
 
 
+def relayout(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """cache [blocks, 16, HKV, D] -> the same values in `layout` order (hnd: a permuted view of a
+    [blocks, HKV, 16, D] tensor)."""
+    if layout == "nhd":
+        return cache
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def layer_us(backend: TritonAttentionBackend, case) -> float:
     """Microseconds per layer of a graph of one forward per layer's cache."""
     q, k, v, caches, meta = case
@@ -82,7 +95,9 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,3")
     ap.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads, KV heads (16,8: Qwen3-0.6B)")
+    ap.add_argument("--layouts", default="nhd", help="cache layouts to time side by side: nhd, hnd")
     ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--repeats", type=int, default=1, help="timings per shape, interleaved; median kept")
     ap.add_argument("--bandwidth", type=float, default=4.21e12)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -94,45 +109,63 @@ def main() -> None:
     if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
         ap.error(f"--heads takes 'query heads,KV heads', a multiple of the KV heads, got {args.heads!r}")
     hq, hkv = heads
+    layouts = args.layouts.split(",")
+    if not layouts or any(lay not in ("nhd", "hnd") for lay in layouts):
+        ap.error(f"--layouts takes nhd and/or hnd, comma-separated, got {args.layouts!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    shapes: list = ["default", *[list(s) for s in grid]]
     rows = []
     for queries, batch, context in itertools.product(
         ints(args.queries), ints(args.batches), ints(args.contexts)
     ):
         q, k, v, caches, meta = decode_case(batch, context, args.layers, dev, gen, queries, (hq, hkv))
         floor_us = batch * context * hkv * D * 2 * 2 / args.bandwidth * 1e6
-        case = (q, k, v, caches, meta)
         ref = TritonAttentionBackend().forward(q, k, v, *caches[0], meta, D**-0.5).float()
-        default_us = layer_us(TritonAttentionBackend(), case)
-        rows.append(
-            {"batch": batch, "queries": queries, "context": context, "shape": "default", "us": default_us,
-             "floor_us": floor_us}
-        )  # fmt: skip
-        for block_n, splits, warps, stages in grid:
-            be = TritonAttentionBackend(
-                block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages
-            )
-            err = (be.forward(q, k, v, *caches[0], meta, D**-0.5).float() - ref).abs().max().item()
-            if not err < 2e-2:
-                raise AssertionError(
-                    f"{(block_n, splits, warps, stages)} at context {context}: max error {err}"
+        cases = {}
+        for lay in layouts:  # the same values in each layout, so every output is checked against ref
+            cases[lay] = (q, k, v, [tuple(relayout(c, lay) for c in pair) for pair in caches], meta)
+        del caches
+        backends = {}
+        for lay, shape in itertools.product(layouts, shapes):
+            if shape == "default":
+                be = TritonAttentionBackend()
+            else:
+                block_n, splits, warps, stages = shape
+                be = TritonAttentionBackend(
+                    block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages
                 )
+            kc, vc = cases[lay][3][0]
+            err = (be.forward(q, k, v, kc, vc, meta, D**-0.5).float() - ref).abs().max().item()
+            if not err < 2e-2:
+                raise AssertionError(f"{lay} {shape} at context {context}: max error {err}")
+            backends[lay, str(shape)] = be
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in backends}
+        for _ in range(args.repeats):  # layouts and shapes interleaved within each repeat
+            for (lay, shape_key), be in backends.items():
+                times[lay, shape_key].append(layer_us(be, cases[lay]))
+        for lay, shape in itertools.product(layouts, shapes):
+            ts = sorted(times[lay, str(shape)])
             rows.append(
-                {"batch": batch, "queries": queries, "context": context,
-                 "shape": [block_n, splits, warps, stages], "us": layer_us(be, case), "floor_us": floor_us}
+                {"batch": batch, "queries": queries, "context": context, "layout": lay, "shape": shape,
+                 "us": ts[len(ts) // 2], "us_all": ts, "floor_us": floor_us}
             )  # fmt: skip
-        here = [r for r in rows if (r["batch"], r["queries"], r["context"]) == (batch, queries, context)]
-        best = min(here, key=lambda r: r["us"])
-        unsplit = min(
-            (r for r in here if r["shape"] == "default" or r["shape"][1] == 1), key=lambda r: r["us"]
-        )
-        print(
-            f"batch {batch:>3} queries {queries} context {context:>6}: default {default_us:6.2f} us/layer, "
-            f"best {best['us']:6.2f} "
-            f"(block_n, splits, warps, stages) = {best['shape']}, best unsplit {unsplit['us']:6.2f} "
-            f"{unsplit['shape']}, floor {floor_us:5.2f} us",
-            flush=True,
-        )
-        del caches, case
+        for lay in layouts:
+            here = [r for r in rows if (r["batch"], r["queries"], r["context"], r["layout"]) ==
+                    (batch, queries, context, lay)]  # fmt: skip
+            default_us = next(r["us"] for r in here if r["shape"] == "default")
+            best = min(here, key=lambda r: r["us"])
+            unsplit = min(
+                (r for r in here if r["shape"] == "default" or r["shape"][1] == 1), key=lambda r: r["us"]
+            )
+            print(
+                f"batch {batch:>3} queries {queries} context {context:>6} {lay}: default {default_us:6.2f} "
+                f"us/layer, best {best['us']:6.2f} "
+                f"(block_n, splits, warps, stages) = {best['shape']}, best unsplit {unsplit['us']:6.2f} "
+                f"{unsplit['shape']}, floor {floor_us:5.2f} us",
+                flush=True,
+            )
+        del cases, backends
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(dev)
     result = {"device": device, "layers": args.layers, "heads": [hq, hkv], "rows": rows}

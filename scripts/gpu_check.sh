@@ -28,7 +28,8 @@
 #               per-step totals at rows 16 and 64, and the SKINNY_GEMM_TABLE entries it implies
 #               (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g. "--rows 16,64 --refine 1")
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
-#               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256")
+#               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256"; with
+#               "--layouts nhd,hnd --repeats 3" the KV blocks head-major as well, side by side)
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   host        how steady one host core is: fixed Python work timed in chunks, unpinned and pinned
 #               (benchmarks/host_noise.py; HOST_ARGS, default "--seconds 30")

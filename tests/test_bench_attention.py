@@ -36,3 +36,28 @@ def test_bad_heads_fail_before_running(heads):
     )
     assert proc.returncode == 2
     assert f"--heads takes 'query heads,KV heads', a multiple of the KV heads, got '{heads}'" in proc.stderr
+
+
+def test_relayout_keeps_the_values_and_stores_heads_together(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from bench_attention import relayout
+
+    cache = torch.randn(5, 16, 8, 128)
+    assert relayout(cache, "nhd") is cache
+    hnd = relayout(cache, "hnd")
+    assert hnd.shape == cache.shape and torch.equal(hnd, cache)
+    # one head's 16 rows of a block are adjacent in memory: [blocks, HKV, 16, D] storage
+    assert hnd.stride() == (8 * 16 * 128, 128, 16 * 128, 1)
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--layouts", "nhd,xyz", "--layouts takes nhd and/or hnd, comma-separated, got 'nhd,xyz'"),
+    ("--repeats", "0", "--repeats must be >= 1, got 0"),
+])  # fmt: skip
+def test_bad_layouts_or_repeats_fail_before_running(flag, value, message):
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_attention.py"), flag, value],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
