@@ -10,6 +10,11 @@ phase chosen so that a round drafting all K = --k-max positions has the acceptan
 
 Cells, per profile and batch size: plain decoding (an engine without speculation, as a user who
 leaves it off gets it), fixed k (--fixed-ks; --bad-fixed-ks for the bad draft) and adaptive_k.
+--phase-ks T:A,... adds cells "k=T/A" to the good profile (the toy pair's with --toy): thinking rows
+draft T tokens, answer rows A (ForcedDraftLength per group). The best of them is what a chooser
+that knew the best k of each phase in advance would give; adaptive / that pair says how much of
+the gap to a criterion the choice could still close. They are not fixed k cells: the criteria
+compare adaptive with fixed k only.
 Fixed k and adaptive run in one speculating engine with num_speculative_tokens = K and
 adaptive_k on: a fixed k is ForcedDraftLength.fixed(K, k) installed in place of the chooser (the
 same windows, graphs and kernels as an engine built for that k; --check-k builds such an engine
@@ -25,7 +30,8 @@ median tok/s with its min-max. The acceptance criteria reported per batch size:
 Repetition r draws its acceptance with seed --acceptance-seed + r, the same in every cell. At batch 1
 a run is one request of about 70 steps, so its speculating cells move by up to 10-15% from one draw to
 the next: judge adaptive / plain there over ten or more repetitions (docs/BENCHMARKS.md, twenty-fourth
-session: 1.919 over three draws, 1.891 and 1.844 over two sets of ten).
+session: 1.919 over three draws, 1.891 and 1.844 over two sets of ten; twenty-sixth: 1.887 and 1.875
+over two sets of twenty, the best --phase-ks pair 1.893 and 1.896).
 
 --toy measures the bundled toy pair instead (target and draft of thinkspec/assets/toy-reasoner/),
 with real acceptance: relaxed thinking on (--relax RATIO:TOP_K), the qwen3 reasoning parser, as
@@ -70,6 +76,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
@@ -78,7 +85,14 @@ from thinkspec.bench.bench import format_prompts, run_cell
 from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
 from thinkspec.bench.sweep import RelaxSetting
 from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds, quiet_heap
-from thinkspec.spec_decode.draft_length import AdaptiveDraftLength, ForcedDraftLength
+from thinkspec.spec_decode.draft_length import (
+    ANSWER,
+    GROUPS,
+    THINKING,
+    THINKING_RELAXED,
+    AdaptiveDraftLength,
+    ForcedDraftLength,
+)
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.step_costs import StepCostModel
 from thinkspec.toy.assets import resolve_model_path
@@ -161,12 +175,18 @@ def primary(args) -> str:
     return "toy" if args.toy else "good"
 
 
-def build_cells(args) -> list[tuple[str, str, str, int | None]]:
+# k of a cell: an int (every row), (thinking k, answer k) per phase, or None (adaptive)
+CellK = int | tuple[int, int] | None
+
+
+def build_cells(args) -> list[tuple[str, str, str, CellK]]:
     """(cell name, profile, engine, k) with k None = adaptive (plain: the plain engine)."""
-    cells = [("plain", "", "plain", None)]
+    cells: list[tuple[str, str, str, CellK]] = [("plain", "", "plain", None)]
     sets = (("toy", args.fixed_ks),) if args.toy else (("good", args.fixed_ks), ("bad", args.bad_fixed_ks))
     for prof, ks in sets:
         cells += [(f"{prof} k={k}", prof, "spec", k) for k in ks]
+        if prof == primary(args):
+            cells += [(f"{prof} k={t}/{a}", prof, "spec", (t, a)) for t, a in args.phase_ks]
         cells.append((f"{prof} adaptive", prof, "spec", None))
     if args.check_k:
         cells.append((f"{primary(args)} k={args.check_k} own engine", primary(args), "check", args.check_k))
@@ -224,9 +244,18 @@ def prepare(
     _, prof, engine, k = cell
     llm = engines[engine]
     if engine == "spec":
-        chooser = choosers[prof] if k is None else ForcedDraftLength.fixed(args.k_max, k)
+        chooser = choosers[prof] if k is None else forced(args.k_max, k)
         use(llm, None if args.toy else synthetic_profile(prof, args.k_max, args.output_len, seed), chooser)
     return llm
+
+
+def forced(k_max: int, k: int | tuple[int, int]) -> ForcedDraftLength:
+    """The policy of a fixed cell: k for every row, or (thinking k, answer k) per phase."""
+    if isinstance(k, int):
+        return ForcedDraftLength.fixed(k_max, k)
+    per_group = np.zeros(len(GROUPS), dtype=np.int64)
+    per_group[[THINKING, THINKING_RELAXED]], per_group[ANSWER] = k
+    return ForcedDraftLength(k_max, lambda step, counts: per_group)
 
 
 def sampler(args, engines, choosers, data) -> Callable[[tuple, int, int], tuple[LLM, Callable[[], Sample]]]:
@@ -255,13 +284,22 @@ def summarise(rows: list[dict], batches: list[int], args) -> list[dict]:
     out = []
     for b in batches:
         plain = med.get(("plain", b))
-        fixed = {
+        ours = {
             c: v for (c, bb), v in med.items() if bb == b and c.startswith(f"{main} k=") and "own" not in c
         }
+        fixed = {c: v for c, v in ours.items() if "/" not in c}
         best = max(fixed.items(), key=lambda kv: kv[1], default=(None, None))
         adaptive = med.get((f"{main} adaptive", b))
         row = {"batch": b, "plain": plain, "best_fixed": best[0], "best_fixed_tok_per_s": best[1],
                f"{main}_adaptive": adaptive}  # fmt: skip
+        phase = {c: v for c, v in ours.items() if "/" in c}
+        if phase:  # --phase-ks: the best per-phase pair, and adaptive and plain against it
+            pair = max(phase.items(), key=lambda kv: kv[1])
+            row["best_phase_ks"], row["best_phase_ks_tok_per_s"] = pair
+            if adaptive:
+                row["adaptive_over_best_phase_ks"] = adaptive / pair[1]
+            if plain:
+                row["best_phase_ks_over_plain"] = pair[1] / plain
         if args.toy:
             if adaptive and best[1]:
                 row["adaptive_over_best_fixed"] = adaptive / best[1]
@@ -360,7 +398,7 @@ def print_table(result: dict) -> None:
 
 def _formatted(s: dict) -> dict[str, str]:
     return {key: "-" if s.get(key) is None else format(s[key], ".3f" if "over" in key else ".0f")
-            for key in s if key not in ("batch", "best_fixed")}  # fmt: skip
+            for key in s if key not in ("batch", "best_fixed", "best_phase_ks")}  # fmt: skip
 
 
 def print_summary(summary: list[dict]) -> None:
@@ -375,7 +413,19 @@ def print_summary(summary: list[dict]) -> None:
               f"{v['bad_adaptive']:>9} {v.get('bad_adaptive_over_plain', '-'):>9}")  # fmt: skip
     print("criteria: ad/best >= 0.95 (every batch), bad/plain >= 0.98 (every batch), ad/plain >= 1.9 "
           "(batch 1)")  # fmt: skip
+    print_phase_ks(summary)
     print("paired: the median over repetitions of adaptive / that anchor within one repetition")
+
+
+def print_phase_ks(summary: list[dict]) -> None:
+    """The best --phase-ks pair per batch, when there were such cells."""
+    for s in summary:
+        if s.get("best_phase_ks"):
+            v = _formatted(s)
+            best = f"{s['best_phase_ks']} {v['best_phase_ks_tok_per_s']} tok/s"
+            print(f"batch {s['batch']}: best per-phase pair {best}, {v.get('best_phase_ks_over_plain', '-')} "
+                  f"x plain; adaptive / it "
+                  f"{v.get('adaptive_over_best_phase_ks', '-')}")  # fmt: skip
 
 
 def print_toy_summary(summary: list[dict]) -> None:
@@ -386,6 +436,7 @@ def print_toy_summary(summary: list[dict]) -> None:
         ratios = f"{v.get('adaptive_over_best_fixed', '-'):>8} {v.get('adaptive_over_plain', '-'):>8}"
         print(f"{s['batch']:>5} {v['plain']:>9} {best:>16} {v['toy_adaptive']:>9} {ratios}")
     print("criterion (toy pair, relaxed): ad/best >= 1.0 at every batch (ad/best = adaptive / best fixed k)")
+    print_phase_ks(summary)
 
 
 ATTEMPTS = 5
@@ -525,6 +576,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k-max", type=int, default=8, help="num_speculative_tokens of the adaptive engine (K)")
     p.add_argument("--fixed-ks", default="1,2,3,4,5,6,7,8", help="fixed draft lengths (good profile, toy)")
     p.add_argument("--bad-fixed-ks", default="1", help="fixed draft lengths, bad draft ('' for none)")
+    p.add_argument("--phase-ks", default="", help="THINKING:ANSWER draft lengths, e.g. 4:2,5:2 (good, toy)")
     p.add_argument(
         "--check-k", type=int, default=0, help="also time an engine built for this fixed k (0: no)"
     )
@@ -560,6 +612,15 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     args.fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
     args.bad_fixed_ks = [int(k) for k in args.bad_fixed_ks.split(",") if k.strip()]
+    raw, args.phase_ks = args.phase_ks, []
+    for pair in (text for text in raw.split(",") if text.strip()):
+        t, _, a = pair.partition(":")
+        ks = (t, a)
+        if not all(k.strip().isdigit() and int(k) <= args.k_max for k in ks):
+            p.error(
+                f"--phase-ks takes THINKING:ANSWER pairs of draft lengths in [0, {args.k_max}], got {raw!r}"
+            )
+        args.phase_ks.append((int(t), int(a)))
     if args.toy and args.max_tokens is None:
         args.max_tokens = default_max_tokens("toy", args.toy_level)
     return args

@@ -24,7 +24,9 @@ across a warm-up run and --runs timed runs (--shared: one chooser for every batc
 bench_adaptive.py's order, as on the device), for each of --seeds seeds; tok/s = rows x
 (output_len - 1) / time, the mean over runs and seeds, reported with the adaptive criterion of
 bench_adaptive.py (and its least over the seeds). --set NAME=VALUE changes a constant of the chooser
-(what-if runs, e.g. --set PLAIN_MARGIN=0).
+(what-if runs, e.g. --set PLAIN_MARGIN=0). --phase-grid also runs every fixed pair (thinking rows
+draft T, answer rows A) and reports the best: what a chooser that knew each phase's best k from the
+start would give, the ceiling of any choice on these step times.
 
     python3 benchmarks/simulate_adaptive.py \
         benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json --seeds 8 --runs 5 \
@@ -108,7 +110,8 @@ class ClosedBatch:
         return float(np.interp(rows, self.step_batches, self.step_ms[:, kmax]))
 
     def run(self, policy, rng: np.random.Generator) -> float:
-        """Simulated seconds of one run; policy: an AdaptiveDraftLength or a fixed k (int)."""
+        """Simulated seconds of one run; policy: an AdaptiveDraftLength, a fixed k (int) or a fixed
+        (thinking k, answer k) pair."""
         done = np.ones(self.batch, dtype=np.int64)  # output tokens so far (the first one from the prefill)
         lag = 0  # plain steps since the last drafting step: tokens every row's draft is behind
         seconds = 0.0
@@ -124,6 +127,8 @@ class ClosedBatch:
                 ks = policy.choose(counts, behind=[lag > 2] * len(GROUPS), weights=weights)[groups]
                 if policy.probe_rows is not None:  # a probe out of plain decoding: its first rows only
                     ks[np.flatnonzero(ks)[policy.probe_rows :]] = 0
+            elif isinstance(policy, tuple):
+                ks = np.where(groups == THINKING, policy[0], policy[1])
             else:
                 ks = np.full(live.size, policy)
             ks = np.minimum(ks, self.output_len - done[live] - 1)  # the room each row has left
@@ -191,12 +196,17 @@ def simulate(
     seed: int,
     settings: dict[str, float] | None = None,
     switch_ms: float = 0.0,
+    phase_grid: bool = False,
 ) -> dict[str, float]:
-    """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size (its own chooser)."""
+    """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size (its own chooser);
+    phase_grid: also every fixed (thinking k, answer k) pair, as "k=T/A"."""
     sim = closed_batch(result, batch, k_max, switch_ms)
     tokens = batch * (sim.output_len - 1)
     out = {}
     policies: list[tuple[str, object]] = [("plain", 0)] + [(f"k={k}", k) for k in range(1, k_max + 1)]
+    if phase_grid:
+        pairs = [(t, a) for t in range(k_max + 1) for a in range(k_max + 1) if t != a]
+        policies += [(f"k={t}/{a}", (t, a)) for t, a in pairs]
     policies.append(("adaptive", chooser(result, k_max, settings or {})))
     for name, policy in policies:
         rng = np.random.default_rng(seed)
@@ -241,6 +251,8 @@ def main() -> None:
     names = (*SETTABLE, *ESTIMATE_WEIGHTS)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help=f"a chooser constant for a what-if run: {', '.join(names)}")  # fmt: skip
+    ap.add_argument("--phase-grid", action="store_true",
+                    help="also every fixed (thinking k, answer k) pair: the best k per phase")  # fmt: skip
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="extra ms of a drafting step after plain steps (the draft's catch-up)")  # fmt: skip
     ap.add_argument("--no-drain", action="store_true",
@@ -269,19 +281,25 @@ def main() -> None:
     table = []
     for b in batches:
         per_seed = [
-            simulate(result, b, k_max, args.runs, seed, settings, args.switch_ms)
+            simulate(result, b, k_max, args.runs, seed, settings, args.switch_ms, args.phase_grid)
             for seed in range(args.seeds)
         ]
         for t, adaptive in zip(per_seed, shared):
             t["adaptive"] = adaptive[b]
         tok = {name: float(np.mean([t[name] for t in per_seed])) for name in per_seed[0]}
-        fixed = {n: v for n, v in tok.items() if n.startswith("k=")}
+        fixed = {n: v for n, v in tok.items() if n.startswith("k=") and "/" not in n}
         best = max(fixed, key=fixed.__getitem__)
+        # the pairs T/A with T == A are the fixed cells
+        pairs = {n: v for n, v in tok.items() if "/" in n} | {f"{n}/{n[2:]}": v for n, v in fixed.items()}
+        pair = max(pairs, key=pairs.__getitem__) if args.phase_grid else None
         table.append({
             "batch": b, "tok_per_s": tok, "best_fixed": best,
             "adaptive_over_best": tok["adaptive"] / max(tok["plain"], fixed[best]),
             "adaptive_over_best_min": min(t["adaptive"] / max(t["plain"], t[best]) for t in per_seed),
             "adaptive_over_plain": tok["adaptive"] / tok["plain"],
+            **({"best_phase_ks": pair, "best_phase_ks_tok_per_s": pairs[pair],
+                "adaptive_over_best_phase_ks": tok["adaptive"] / pairs[pair],
+                "best_phase_ks_over_plain": pairs[pair] / tok["plain"]} if pair else {}),
         })  # fmt: skip
     out = {"source": Path(args.result).name, "runs": args.runs, "seeds": args.seeds, "settings": settings,
            "switch_ms": args.switch_ms, "shared_chooser": args.shared, "rows": table}  # fmt: skip
@@ -297,6 +315,11 @@ def main() -> None:
         ratios = " ".join(f"{row[key]:>8.3f}" for key in ("adaptive_over_best", "adaptive_over_best_min"))
         line = f"{row['batch']:>6} {t['plain']:>9.0f} {best:>6} {t[best]:>9.0f} {t['adaptive']:>9.0f}"
         print(f"{line} {ratios} {row['adaptive_over_plain']:>8.2f}")
+        if row.get("best_phase_ks"):
+            pair_tok = f"{row['best_phase_ks_tok_per_s']:.0f} tok/s"
+            print(f"{'':>6} best fixed pair (thinking k / answer k) {row['best_phase_ks']} {pair_tok}, "
+                  f"{row['best_phase_ks_over_plain']:.3f} x plain; adaptive / it "
+                  f"{row['adaptive_over_best_phase_ks']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

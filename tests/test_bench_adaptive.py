@@ -167,3 +167,41 @@ def test_timed_run_times_decode_from_the_batch_first_token(monkeypatch):
     assert metrics is None
     assert facts["run_ms"] == pytest.approx(4000.0) and facts["first_token_ms"] == pytest.approx(500.0)
     assert facts["first_token_spread_ms"] == 0.0 and facts["gc_pause_ms"] >= 0.0
+
+
+def test_phase_ks_cells_are_reported_apart_from_fixed_k(monkeypatch):
+    """A k=T/A cell drafts T tokens on thinking rows and A on answer rows; the summary's best fixed k
+    leaves such cells out (the criteria name fixed k) and reports the best pair beside it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = importlib.import_module("bench_adaptive")
+    from thinkspec.spec_decode.draft_length import ANSWER, THINKING, THINKING_RELAXED
+
+    policy = bench.forced(8, (5, 2))
+    ks = policy.choose([3, 4, 1])
+    assert (ks[THINKING], ks[THINKING_RELAXED], ks[ANSWER]) == (5, 5, 2)
+    assert bench.forced(8, 3).choose([1, 1, 0]).tolist() == [3, 3, 3]
+    args = type("Args", (), {"toy": False, "fixed_ks": [4], "bad_fixed_ks": [], "phase_ks": [(4, 2)],
+                             "check_k": 0})()  # fmt: skip
+    assert [c[0] for c in bench.build_cells(args)] == ["plain", "good k=4", "good k=4/2", "good adaptive",
+                                                       "bad adaptive"]  # fmt: skip
+
+    def row(cell, reps):
+        return {"cell": cell, "batch": 1, "tok_per_s": sorted(reps)[len(reps) // 2], "reps": reps}
+
+    cells = {"plain": 100.0, "good k=4": 180.0, "good k=4/2": 200.0, "good k=5/2": 190.0,
+             "good adaptive": 195.0, "bad adaptive": 99.0}  # fmt: skip
+    rows = [row(cell, [v] * 3) for cell, v in cells.items()]
+    (one,) = bench.summarise(rows, [1], args)
+    assert (one["best_fixed"], one["best_fixed_tok_per_s"]) == ("good k=4", 180.0)
+    assert (one["best_phase_ks"], one["best_phase_ks_tok_per_s"]) == ("good k=4/2", 200.0)
+    assert one["adaptive_over_best_phase_ks"] == pytest.approx(0.975)
+    assert one["best_phase_ks_over_plain"] == pytest.approx(2.0)
+    assert one["good_adaptive_over_best"] == pytest.approx(195 / 180)
+
+
+@pytest.mark.parametrize("value", ["4", "4:2:1", "9:2", "4:-1", "a:2"])
+def test_bad_phase_ks_fail_before_running(value):
+    cmd = [sys.executable, "benchmarks/bench_adaptive.py", "--phase-ks", value]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"--phase-ks takes THINKING:ANSWER pairs of draft lengths in [0, 8], got '{value}'" in proc.stderr

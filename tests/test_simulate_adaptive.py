@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +103,26 @@ def test_cli_on_a_measured_result(tmp_path):
         [*cmd[:3], "--set", "PRIOR_RATE=0.5"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--set takes NAME=VALUE" in bad.stderr
+
+
+def test_phase_grid_finds_the_best_k_of_each_phase():
+    """Thinking rows that always accept and answer rows that never do: thinking should draft K and
+    answer nothing. The pair K/0 beats every fixed k, and a fixed pair drafts only per its phase."""
+    result = _result(5.0, 0.5, [5.5, 6.0, 6.5], 0.99)
+    result["profiles"]["good"]["answer"] = [0.0] * K
+    tok = sim.simulate(result, 1, K, runs=2, seed=0, phase_grid=True)
+    pairs = {n for n in tok if "/" in n}
+    assert len(pairs) == (K + 1) * K and "k=3/0" in pairs and "k=1/1" not in pairs  # T == A: fixed k
+    assert tok["k=3/0"] == max(tok.values()) > max(tok[f"k={k}"] for k in range(1, K + 1))
+    assert tok["k=0/3"] < tok["k=3/0"]
+    batch = sim.closed_batch(result, 1, K)
+    steps: dict[int, int] = {}
+    orig = batch.step_time
+
+    def counted(rows: int, kmax: int) -> float:
+        steps[kmax] = steps.get(kmax, 0) + 1
+        return orig(rows, kmax)
+
+    batch.step_time = counted  # type: ignore[method-assign]
+    batch.run((2, 0), np.random.default_rng(0))
+    assert set(steps) <= {0, 2} and 2 in steps and 0 in steps  # thinking drafts 2, answer plain steps
