@@ -615,8 +615,7 @@ def parse_args() -> argparse.Namespace:
     raw, args.phase_ks = args.phase_ks, []
     for pair in (text for text in raw.split(",") if text.strip()):
         t, _, a = pair.partition(":")
-        ks = (t, a)
-        if not all(k.strip().isdigit() and int(k) <= args.k_max for k in ks):
+        if not all(k.strip().isdigit() and int(k) <= args.k_max for k in (t, a)):
             p.error(
                 f"--phase-ks takes THINKING:ANSWER pairs of draft lengths in [0, {args.k_max}], got {raw!r}"
             )

@@ -110,7 +110,7 @@ def main() -> None:
         ap.error(f"--heads takes 'query heads,KV heads', a multiple of the KV heads, got {args.heads!r}")
     hq, hkv = heads
     layouts = args.layouts.split(",")
-    if not layouts or any(lay not in ("nhd", "hnd") for lay in layouts):
+    if any(lay not in ("nhd", "hnd") for lay in layouts):  # "" (an empty list item) included
         ap.error(f"--layouts takes nhd and/or hnd, comma-separated, got {args.layouts!r}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
