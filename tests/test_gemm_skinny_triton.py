@@ -543,10 +543,12 @@ def test_gpu_rms_norm_in_the_sum_launch_is_the_two_launches(n, k, m):
 @torch.inference_mode()
 def test_gpu_logits_in_float32_straight_from_the_product():
     # Linear.product into a float32 buffer, at the verify's 320 rows (cuBLAS, float32 output) and the
-    # decode's 16 (skinny GEMM, table entry): the float32 sums, not bf16-rounded values
+    # decode's 64 and 16 (skinny GEMM, table entries): the float32 sums, not bf16-rounded values
     lm_head = linear.Linear(4096, 151936, bias=False).to("cuda", torch.bfloat16)
     lm_head.gemv = lm_head.skinny_gemm = True
-    for rows in (320, 16, 1):
+    for rows in (320, 64, 16, 1):
+        expected = "skinny" if rows in (64, 16) else None  # one row: cuBLAS (the weight is past the GEMV's)
+        assert lm_head.triton_kernel(torch.empty(rows, 4096, dtype=torch.bfloat16)) == expected
         x = torch.randn(rows, 4096, device="cuda").bfloat16()
         out = torch.empty(rows, 151936, device="cuda")
         assert lm_head.product(x, None, out=out) is out

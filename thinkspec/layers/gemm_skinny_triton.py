@@ -65,7 +65,8 @@ Config = tuple[int, int, int, int, int]
 # (benchmarks/results/2026-12-01-skinny-gemm-h200.json) and at 4 and 8 rows (a batch-1 verify of
 # k + 1 tokens; ...-skinny-gemm-h200-rows-4-8.json); other shapes stay on cuBLAS. Entries marked (TMA)
 # were re-measured 2026-12-03 with the tiles through tensor descriptors
-# (benchmarks/results/2026-12-03-skinny-tma-h200.json; the 8-row ones in ...-skinny-tma-vs-pointer-h200.json).
+# (benchmarks/results/2026-12-03-skinny-tma-h200.json; the 8-row ones in ...-skinny-tma-vs-pointer-h200.json);
+# lm_head at 32 and 64 rows, 5% under cuBLAS with TMA, in ...-skinny-tma-lm-head-h200.json.
 # o at 8 rows and down at 16 split K although unsplit shapes measured 0-0.2 us faster alone: split, the
 # residual add + RMSNorm after them run in the sum launch (skinny_gemm_rms_norm), and the batch-1 k = 6
 # verify took 4.545 against 4.621 ms, the batch-16 step 4.593 against 4.623 (docs/BENCHMARKS.md,
@@ -88,9 +89,11 @@ SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (32, 4096, 4096): (64, 128, 1, 4, 5),  # o: 12.4 vs cuBLAS 13.8 us
     (32, 4096, 12288): (64, 128, 2, 4, 5),  # down: 27.3 vs cuBLAS 29.0 us (TMA)
     (32, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 15.3 vs cuBLAS 16.0 us
+    (32, 151936, 4096): (128, 128, 1, 4, 5),  # lm_head: 291.4 vs cuBLAS 306.5 us (TMA, 2026-12-03)
     (64, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.8 vs cuBLAS 12.2 us (TMA)
     (64, 4096, 12288): (64, 128, 2, 4, 5),  # down: 28.1 vs cuBLAS 31.2 us (TMA)
     (64, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 15.1 vs cuBLAS 16.1 us (TMA)
+    (64, 151936, 4096): (128, 64, 1, 4, 3),  # lm_head: 297.6 vs cuBLAS 313.7 us (TMA, 2026-12-03)
 }
 
 # The same for gate_up with SiLU(gate) * up in the epilogue (glu=True), keyed by (rows bucket, I, K)
