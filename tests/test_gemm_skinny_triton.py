@@ -77,6 +77,17 @@ def test_row_buckets():
     assert [gs.row_bucket(r) for r in (3, 4, 5, 8, 9, 16, 17, 33, 64)] == [4, 4, 8, 8, 16, 16, 32, 64, 64]
 
 
+def test_lm_head_goes_to_the_skinny_gemm_at_3_to_64_rows():
+    # The table's lm_head entries (4 to 64 rows) beat cuBLAS in bench_skinny_gemm; one and two rows stay
+    # on cuBLAS (the weight is past GEMV_MAX_WEIGHT), and so does the verify's 65 rows and more
+    lm_head = linear.Linear(4096, 151936, bias=False, device="meta", dtype=torch.bfloat16)
+    lm_head.gemv = lm_head.skinny_gemm = True
+    for rows in (1, 2, 3, 8, 16, 17, 32, 33, 64, 65, 320):
+        want = "skinny" if 3 <= rows <= 64 else None
+        x = torch.empty(rows, 4096, device="meta", dtype=torch.bfloat16)
+        assert lm_head.triton_kernel(x) == want, rows
+
+
 def test_rejects_bad_operands():
     with pytest.raises(ValueError, match="M <= 64"):
         skinny_gemm(torch.zeros(65, 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.bfloat16))
@@ -547,8 +558,6 @@ def test_gpu_logits_in_float32_straight_from_the_product():
     lm_head = linear.Linear(4096, 151936, bias=False).to("cuda", torch.bfloat16)
     lm_head.gemv = lm_head.skinny_gemm = True
     for rows in (320, 64, 16, 1):
-        expected = "skinny" if rows in (64, 16) else None  # one row: cuBLAS (the weight is past the GEMV's)
-        assert lm_head.triton_kernel(torch.empty(rows, 4096, dtype=torch.bfloat16)) == expected
         x = torch.randn(rows, 4096, device="cuda").bfloat16()
         out = torch.empty(rows, 151936, device="cuda")
         assert lm_head.product(x, None, out=out) is out
