@@ -30,6 +30,9 @@
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
 #               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256"; with
 #               "--layouts nhd,hnd --repeats 3" the KV blocks head-major as well, side by side)
+#   overlap     drafting ahead during the verify: the verify and the next draft forwards on two CUDA streams
+#               against the serial round, and whether it pays at the thinking profile's acceptance
+#               (benchmarks/bench_overlap.py; OVERLAP_ARGS, e.g. "--batch-sizes 1 --ks 1,2,4")
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
 #   host        how steady one host core is: fixed Python work timed in chunks, unpinned and pinned
 #               (benchmarks/host_noise.py; HOST_ARGS, default "--seconds 30")
@@ -162,6 +165,12 @@ if has attention; then
   timeout "${ATTENTION_TIMEOUT:-240}" $PY benchmarks/bench_attention.py --out "$OUT/attention.json" \
     ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log"
   record attention "${PIPESTATUS[0]}" "${ATTENTION_TIMEOUT:-240}"
+fi
+
+if has overlap; then
+  timeout "${OVERLAP_TIMEOUT:-300}" $PY benchmarks/bench_overlap.py --out "$OUT/overlap.json" \
+    ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/overlap.log"
+  record overlap "${PIPESTATUS[0]}" "${OVERLAP_TIMEOUT:-300}"
 fi
 
 if has tune; then

@@ -92,15 +92,14 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
 
 
-def test_adaptive_stage_passes_its_args_and_is_time_boxed(tmp_path):
-    rc, stdout, summary = _run(tmp_path, "adaptive", ADAPTIVE_ARGS="--batch-sizes 1,16 --repeats 1")
-    assert rc == 0 and "adaptive: ok" in summary.splitlines()
-    assert (
-        "fake run: benchmarks/bench_adaptive.py --out" in stdout
-        and "--batch-sizes 1,16 --repeats 1" in stdout
-    )
-    rc, _, summary = _run(tmp_path, "adaptive", FAKE_HANG="bench_adaptive", ADAPTIVE_TIMEOUT="1")
-    assert rc != 0 and "adaptive: TIMED OUT after 1s" in summary.splitlines()
+@pytest.mark.parametrize("stage", ["adaptive", "overlap"])
+def test_stage_passes_its_args_and_is_time_boxed(tmp_path, stage):
+    script = f"bench_{stage}"
+    rc, stdout, summary = _run(tmp_path, stage, **{f"{stage.upper()}_ARGS": "--batch-sizes 1,16 --repeats 1"})
+    assert rc == 0 and f"{stage}: ok" in summary.splitlines()
+    assert f"fake run: benchmarks/{script}.py --out" in stdout and "--batch-sizes 1,16 --repeats 1" in stdout
+    rc, _, summary = _run(tmp_path, stage, FAKE_HANG=script, **{f"{stage.upper()}_TIMEOUT": "1"})
+    assert rc != 0 and f"{stage}: TIMED OUT after 1s" in summary.splitlines()
 
 
 def test_tp_stage_runs_the_gpu_test_and_the_benchmark(tmp_path):
