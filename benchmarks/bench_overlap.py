@@ -72,18 +72,16 @@ def run_cell(models, batch: int, k: int, reps: int, repeats: int, log) -> dict:
     total = prompt + 2 * (k + 2)
     width = -(-(total + k) // block)
     widths = tuple(sorted({1, 2, k + 1}))
-    runners = [
-        ModelRunner.for_model(
-            m,
-            info,
-            num_blocks=batch * width,
-            block_size=block,
-            device=dev,
-            graphs=GraphSpec(w, (batch,), total + k, width, None),
-        )  # fmt: skip
-        for (m, info), w in (((target, tinfo), widths), ((draft, dinfo), (1, 2)))
-    ]
-    bm = BlockManager(batch * width, block, enable_prefix_caching=False)
+    blocks = batch * width
+
+    def runner(model, info, query_widths: tuple[int, ...]) -> ModelRunner:
+        graphs = GraphSpec(query_widths, (batch,), total + k, width, None)  # None: its own graph pool
+        return ModelRunner.for_model(
+            model, info, num_blocks=blocks, block_size=block, device=dev, graphs=graphs
+        )
+
+    runners = [runner(target, tinfo, widths), runner(draft, dinfo, (1, 2))]
+    bm = BlockManager(blocks, block, enable_prefix_caching=False)
     seqs = []
     for b in range(batch):
         seq = Sequence(str(b), list(range(1, prompt + 1)), SamplingParams(temperature=0), has_draft=True)
