@@ -292,3 +292,145 @@ def test_gpu_gemv_float32_out():
     out = torch.empty(1, 4096, device="cuda")
     assert gemv(x, w, out=out) is out
     torch.testing.assert_close(out, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the residual add + RMSNorm in the launch
+
+
+def _norm_operands(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    # x [m, k], w [n, k], bias [n], residual [m, n], norm weight [n] spread around 1 as trained ones are
+    g = torch.Generator().manual_seed(seed + 100 * m + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    residual = (3 * torch.randn(m, n, generator=g)).to(dtype)
+    return x, w, b, residual, (1 + 0.2 * torch.randn(n, generator=g)).to(dtype)
+
+
+@interp
+@pytest.mark.parametrize(
+    ("dtype", "m", "n", "k", "bias"),
+    [(torch.float32, 1, 1, 5, True), (torch.bfloat16, 1, 37, 100, False),
+     (torch.bfloat16, 2, 37, 100, True), (torch.float32, 3, 37, 100, True),
+     (torch.bfloat16, 2, 64, 512, False), (torch.bfloat16, 1, 6, 2100, True),
+     (torch.float32, 2, 6, 2100, False)],
+)  # fmt: skip
+def test_interp_gemv_rms_norm_is_the_two_launches(dtype, m, n, k, bias):
+    # one to n programs; K under, at and past a tile; 2048-wide K tiles (n <= SMALL_N, k >= 2048)
+    from thinkspec.layers.fused_triton import rms_norm
+
+    x, w, b, residual, norm_w = _norm_operands(m, n, k, dtype)
+    b = b if bias else None
+    counter = torch.zeros(1, dtype=torch.int32)
+    for i, config in enumerate((None, (1, 16, 1, 1) if n * k < 4000 else (2, 128, 1, 1), (4, 64, 2, 1))):
+        # other inputs each launch, the fused one first: a program that norms before the others have
+        # stored would read a freed buffer's old values, never this launch's
+        xi = (x.float() * (i + 1) - i).to(dtype)
+        normed, stream = gemv_triton.gemv_rms_norm(xi, w, b, residual, norm_w, 1e-6, counter, config)
+        two = rms_norm(gemv(xi, w, b, config=config), norm_w, 1e-6, residual)
+        # the interpreter sums the squares in one order whatever the launch: the same bits
+        assert torch.equal(stream, two[1]) and torch.equal(normed, two[0])
+        assert counter.item() == 0  # the last program set it back for the next launch
+    x = xi
+    # and the formula: s = (x @ w.T + b) rounded + residual, weight * (s * rsqrt(mean(s^2) + eps))
+    h = F.linear(x.float(), w.float(), None if b is None else b.float())
+    sf = (h.to(dtype).float() + residual.float()).to(dtype).float()
+    # the product's rounding and the sum's, each an ulp at most (and the product's float32 sum order)
+    ulp = 2**-20 if dtype == torch.float32 else 2**-7
+    assert ((stream.float() - sf).abs() <= (h.abs() + sf.abs()) * ulp + 1e-3).all()
+    ref = norm_w.float() * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(normed.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@interp
+def test_interp_gemv_rms_norm_rejects_bad_operands():
+    x, w, b, residual, norm_w = _norm_operands(2, 16, 32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_triton.gemv_rms_norm(x, w, b, residual[:, :8], norm_w, 1e-6, counter)
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv_triton.gemv_rms_norm(x, w, b, residual.float(), norm_w, 1e-6, counter)
+    with pytest.raises(ValueError, match="int32 \\[1\\] counter"):
+        gemv_triton.gemv_rms_norm(x, w, b, residual, norm_w, 1e-6, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv_triton.gemv_rms_norm(torch.zeros(5, 32).bfloat16(), w, b, torch.zeros(5, 16).bfloat16(),
+                                  norm_w, 1e-6, counter)  # fmt: skip
+
+
+@interp
+def test_interp_row_parallel_linear_adds_and_norms_in_the_gemv_launch(monkeypatch):
+    from thinkspec.distributed.parallel_state import TPLayout
+    from thinkspec.layers.norm import RMSNorm
+
+    calls = []
+    real = gemv_triton.gemv_rms_norm
+    monkeypatch.setattr(gemv_triton, "gemv_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    layer = linear.RowParallelLinear(96, 64, bias=True, tp=TPLayout()).to(torch.bfloat16)
+    norm = RMSNorm(64).to(torch.bfloat16)
+    x, _, _, residual, norm_w = _norm_operands(2, 64, 96)
+    with torch.no_grad():
+        norm.weight.copy_(norm_w)
+    for fused in (False, True):  # the torch path, then the kernels (norm.fused decides the fusion)
+        layer.gemv = norm.fused = fused
+        with torch.no_grad():
+            for rows in (1, 2):
+                out = layer.add_rms_norm(x[:rows], residual[:rows], norm)
+                ref = norm(layer(x[:rows]), residual[:rows])
+                assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        assert len(calls) == 2 * int(fused)
+    counter = layer.norm_counter(x.device)
+    assert counter.item() == 0 and layer.norm_counter(x.device) is counter  # one per layer, kept
+    layer.gemv_norm = False  # the benchmarks' switch: the product, then the norm's own launch
+    with torch.no_grad():
+        layer.add_rms_norm(x[:1], residual[:1], norm)
+    assert len(calls) == 2
+
+
+@gpu
+@torch.inference_mode()
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288), (1024, 2048), (1024, 3072)])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_gemv_rms_norm_matches_the_two_launches(n, k, m):
+    # the 8B's and 0.6B's o and down; many launches in a row on one counter, inputs changing between them,
+    # so a program that counted last before every other had stored would show as a wrong row
+    from thinkspec.layers.fused_triton import rms_norm
+
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(n + k + m)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+    norm_w = (1 + 0.2 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    for _ in range(50):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        residual = (3 * torch.randn(m, n, device="cuda", generator=g)).bfloat16()
+        normed, stream = gemv_triton.gemv_rms_norm(x, w, None, residual, norm_w, 1e-6, counter)
+        two_normed, two_stream = rms_norm(gemv(x, w), norm_w, 1e-6, residual)
+        assert torch.equal(stream, two_stream)  # the same product and add
+        # the norm's sum of squares in another order: an ulp of the scale apart at most, nearly all equal
+        err = (normed.float() - two_normed.float()).abs()
+        assert (err <= two_normed.float().abs() * 2**-7 + 1e-6).all()
+        assert (normed == two_normed).float().mean().item() > 0.95
+    assert counter.item() == 0
+
+
+@gpu
+@torch.inference_mode()
+def test_gpu_gemv_rms_norm_replays_in_a_cuda_graph():
+    from thinkspec.layers.fused_triton import rms_norm
+
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(1024, 2048, device="cuda") / 45).bfloat16()
+    residual = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    gemv_triton.gemv_rms_norm(x, w, None, residual, norm_w, 1e-6, counter)  # warm-up: compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, stream = gemv_triton.gemv_rms_norm(x, w, None, residual, norm_w, 1e-6, counter)
+    for _ in range(20):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref_normed, ref_stream = rms_norm(gemv(x, w), norm_w, 1e-6, residual)
+        assert torch.equal(stream, ref_stream)
+        assert ((normed.float() - ref_normed.float()).abs() <= ref_normed.float().abs() * 2**-7 + 1e-6).all()
+    assert counter.item() == 0
