@@ -30,7 +30,7 @@ from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, wr
 from thinkspec import LLM, SamplingParams
 from thinkspec.layers import gemv_triton, pdl
 from thinkspec.layers.attention import Attention
-from thinkspec.layers.linear import Linear, MergedLinear, RowParallelLinear
+from thinkspec.layers.linear import Linear, MergedLinear
 
 
 def sync(device: torch.device) -> None:
@@ -158,9 +158,7 @@ def main() -> None:
         "'noearly' (pdl.EARLY_RELEASE off: at one and two rows kernels no longer let the next one in right "
         "after their wait, nor the GEMV read its first weight tile before it, thinkspec_noearly); "
         "'noprefetch' (pdl.PREFETCH off: attention, the q/k norm + rotary and RMSNorm read nothing before "
-        "their wait, thinkspec_noprefetch); 'nogemvnorm' (at one and two rows the residual add and RMSNorm "
-        "after o_proj and down_proj in their own launch, not in the GEMV's, thinkspec_nogemvnorm); "
-        "comma-separated",
+        "their wait, thinkspec_noprefetch); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -213,9 +211,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = (
-            "cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly", "noprefetch", "nogemvnorm"
-        )  # fmt: skip
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly", "noprefetch")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -242,8 +238,6 @@ def main() -> None:
                     m.skinny_gemm = False
                 if variant == "noglu" and isinstance(m, MergedLinear):
                     m.fuse_silu = False
-                if variant == "nogemvnorm" and isinstance(m, RowParallelLinear):
-                    m.gemv_norm = False
                 if backend is not None and isinstance(m, Attention):
                     m.backend = backend
             plain.append((f"thinkspec_{variant}", other, True))

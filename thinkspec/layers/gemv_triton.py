@@ -17,12 +17,6 @@ it writes SiLU(gate) * up (MergedLinear.silu_and_mul: one launch instead of the 
 fused_triton.silu_and_mul). An `out` buffer of another float dtype (the float32 logits) takes the
 sums rounded once to it.
 
-With norm (`gemv_rms_norm`: o_proj and down_proj at one and two rows) the residual add and RMSNorm
-that follow the product run in the same launch: each program counts itself done on an int32 counter
-once its outputs are stored, and the program that counts last (so sees every output) adds the
-residual, norms the rows and sets the counter back to zero for the next launch. The next kernel then
-waits on one launch where it waited on two (the norm kernel's start, its wait and its end).
-
 Numerics: products and sums in float32, the result rounded once to the output dtype (as cuBLAS
 does, up to summation order). The grid depends only on shapes, so launches are CUDA-graph
 capturable. On CPU this runs under TRITON_INTERPRET=1 (tests); `F.linear` is the reference.
@@ -35,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from thinkspec.layers.fused_triton import rms_norm, rms_norm_row, silu_mul
+from thinkspec.layers.fused_triton import silu_mul
 from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_prior
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
@@ -54,17 +48,8 @@ def _gemv_kernel(
     M,
     N,
     K,
-    res_ptr,  # [M, N] residual in (NORM), last dim contiguous
-    stride_res,
-    normed_ptr,  # [M, N] RMSNorm(y + residual) out (NORM), contiguous
-    stream_ptr,  # [M, N] y + residual out (NORM), contiguous
-    norm_w_ptr,  # [N] the norm's weight (NORM)
-    counter_ptr,  # [1] int32, zero between launches: programs done so far (NORM)
-    eps,
     HAS_BIAS: tl.constexpr,
     GLU: tl.constexpr,  # y = SiLU(x @ W[:N].T + b[:N]) * (x @ W[N:].T + b[N:])
-    NORM: tl.constexpr,  # the residual add and RMSNorm by the program that finishes last
-    BLOCK_NORM: tl.constexpr,  # next power of 2 >= N (NORM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -126,38 +111,6 @@ def _gemv_kernel(
         y = silu_mul(y, up, x_ptr.dtype.element_ty)
     out = y_ptr + rows[:, None] * stride_y + cols[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    if NORM:
-        _add_rms_norm_when_last(
-            y_ptr, stride_y, res_ptr, stride_res, normed_ptr, stream_ptr, norm_w_ptr, counter_ptr, M, N, eps,
-            BLOCK_M, BLOCK_NORM,
-        )  # fmt: skip
-
-
-@triton.jit
-def _add_rms_norm_when_last(
-    y_ptr, stride_y, res_ptr, stride_res, normed_ptr, stream_ptr, norm_w_ptr, counter_ptr, M, N, eps,
-    BLOCK_M: tl.constexpr, BLOCK_NORM: tl.constexpr,
-):  # fmt: skip
-    """After a program's stores of y: count it done; the last one runs _rms_norm_kernel's residual add
-    and norm over every row of y (pointers and shapes as _gemv_kernel's)."""
-    # Every thread's stores before the count, which one thread makes: the barrier orders them at the
-    # program's scope, the atomic's release at the GPU's; its acquire orders the last program's loads.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # no program of this launch counts again
-        cols = tl.arange(0, BLOCK_NORM)
-        mask = cols < N
-        w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0)
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                # .cg: from L2, where the other programs' stores are, never a stale L1 line
-                h = tl.load(y_ptr + m * stride_y + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                r = tl.load(res_ptr + m * stride_res + cols, mask=mask, other=0.0)
-                s = (h.to(tl.float32) + r.to(tl.float32)).to(stream_ptr.dtype.element_ty)  # `x + residual`
-                tl.store(stream_ptr + m * N + cols, s, mask=mask)
-                normed = rms_norm_row(s, w, norm_w_ptr, cols, mask, N, eps, True)
-                tl.store(normed_ptr + m * N + cols, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
@@ -238,63 +191,12 @@ def gemv(
     if done:
         return y
     (m, k), n = x.shape, y.shape[1]
-    _launch(x, weight, bias, y, config or gemv_config(m, n, k, glu), glu)
-    return y
-
-
-def _launch(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K] (glu: [2 * N, K])
-    bias: torch.Tensor | None,  # [N] (glu: [2 * N]) or None
-    y: torch.Tensor,  # [M, N] out
-    config: tuple[int, int, int, int],
-    glu: bool,
-    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-) -> None:
-    # norm: (residual [M, N], normed [M, N], stream [M, N], norm weight [N], counter [1] int32, eps)
-    (m, k), n = x.shape, y.shape[1]
-    block_n, block_k, warps, stages = config
-    res, normed, stream, norm_w, counter, eps = norm or (weight, y, y, weight, weight, 0.0)
+    block_n, block_k, warps, stages = config or gemv_config(m, n, k, glu)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
-        m, n, k, res, res.stride(0), normed, stream, norm_w, counter, eps,
-        HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, BLOCK_NORM=triton.next_power_of_2(n),
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        EARLY=early_release(m), num_warps=warps, num_stages=stages, **launch_args(x.device),
+        m, n, k,
+        HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, EARLY=early_release(m), num_warps=warps, num_stages=stages,
+        **launch_args(x.device),
     )  # fmt: skip
-
-
-def gemv_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    counter: torch.Tensor,
-    config: tuple[int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None, residual [M, N], norm_weight [N] (all
-    of x's dtype) -> (RMSNorm(h + residual), h + residual), both [M, N], h = x @ weight.T + bias: the
-    values of fused_triton.rms_norm(gemv(x, weight, bias), norm_weight, eps, residual) up to the order
-    of the norm's float32 sum of squares, in one launch. counter: int32 [1], zero, on x's device, used
-    by no launch that may run at the same time (each layer keeps its own); zero again afterwards."""
-    n = weight.shape[0]
-    if residual.shape != (x.shape[0], n) or norm_weight.shape != (n,):
-        shapes = f"residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}"
-        raise ValueError(f"gemv_rms_norm needs [{x.shape[0]}, {n}] / [{n}], got {shapes}")
-    if residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
-        dtypes = f"{x.dtype}, {residual.dtype}, {norm_weight.dtype}"
-        raise ValueError(f"gemv_rms_norm takes x, residual and norm weight of one dtype, got {dtypes}")
-    if counter.shape != (1,) or counter.dtype != torch.int32 or counter.device != x.device:
-        raise ValueError(f"gemv_rms_norm needs an int32 [1] counter on {x.device}, got {counter}")
-    x, weight, y, done = product_operands("gemv_rms_norm", x, weight, bias, MAX_ROWS)
-    if done:
-        return rms_norm(y, norm_weight, eps, residual)  # type: ignore[return-value]
-    if residual.stride(1) != 1:
-        residual = residual.contiguous()
-    m = x.shape[0]
-    normed, stream = (torch.empty(m, n, dtype=x.dtype, device=x.device) for _ in range(2))
-    norm = (residual, normed, stream, norm_weight.contiguous(), counter, eps)
-    _launch(x, weight, bias, y, config or gemv_config(m, n, x.shape[1]), False, norm)
-    return normed, stream
+    return y

@@ -8,8 +8,7 @@ With `skinny_gemm` on as well, products of 3..64 rows go to the Triton tensor-co
 gemm_skinny_triton.py, but only for the (rows bucket, N, K) that its SKINNY_GEMM_TABLE lists (the
 shapes where bench_skinny_gemm measured it faster than cuBLAS); everything else stays on F.linear.
 `RowParallelLinear.add_rms_norm` (o_proj, down_proj) hands the residual add and RMSNorm that follow the
-product to the skinny GEMM, which runs them in its split-K sum launch, or to the GEMV, whose last
-program runs them in the product's launch.
+product to the skinny GEMM, which runs them in its split-K sum launch.
 `MergedLinear` runs several projections sharing one input as a single matmul: checkpoints store
 them separately (q_proj/k_proj/v_proj, gate_proj/up_proj); the loader copies each one into its
 row range with `load_shard`.
@@ -108,12 +107,9 @@ class RowParallelLinear(Linear):
     """Input features split over the ranks: x [..., in/size] @ this rank's weight columns, summed over
     the ranks by one all-reduce, then the (whole, replicated) bias."""
 
-    gemv_norm = True  # add_rms_norm on the GEMV: the add and the norm in its launch (benchmarks: off)
-
     def __init__(self, in_features: int, out_features: int, bias: bool, *, tp: TPLayout) -> None:
         super().__init__(tp.split(in_features, "in_features"), out_features, bias=bias)
         self.tp = tp
-        self._norm_counter: torch.Tensor | None = None
 
     def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
         if self.tp.size == 1 or leaf == "bias":
@@ -133,27 +129,12 @@ class RowParallelLinear(Linear):
         # x: [T, in / size], residual: [T, out] -> (norm(s), s) with s = self(x) + residual, as
         # norm(self(x), residual) computes them; on the skinny GEMM (one rank, the fused norm kernel)
         # the add and the norm run in the launch that sums its split-K partials
-        # and on the GEMV (one and two rows) in the product's own launch, by its last program
         one_dtype = residual.dtype == x.dtype == norm.weight.dtype
-        kernel = self.triton_kernel(x) if self.tp.size == 1 and norm.fused and one_dtype else None
-        if kernel == "skinny":
+        if self.tp.size == 1 and norm.fused and one_dtype and self.triton_kernel(x) == "skinny":
             from thinkspec.layers.gemm_skinny_triton import skinny_gemm_rms_norm
 
             return skinny_gemm_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
-        if kernel == "gemv" and self.gemv_norm:
-            from thinkspec.layers.gemv_triton import gemv_rms_norm
-
-            counter = self.norm_counter(x.device)
-            return gemv_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, counter)
         return norm(self(x), residual)  # type: ignore[return-value]
-
-    def norm_counter(self, device: torch.device) -> torch.Tensor:
-        # int32 [1] on device, zero between launches: this layer's own, so no two launches that may
-        # run at once share it (made on first use, before any CUDA-graph capture: warm-up runs first)
-        counter = self._norm_counter
-        if counter is None or counter.device != device:
-            counter = self._norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
-        return counter
 
 
 class MergedLinear(Linear):
