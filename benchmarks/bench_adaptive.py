@@ -44,10 +44,6 @@ k's, since relaxed acceptance depends on where the windows end. The criterion re
 
   adaptive / best fixed k  >= 1.0   (toy pair, relaxed)
 
---draft-quantization fp8 holds the draft's weights in float8 (SpeculativeConfig.quantization): with
-synthetic acceptance that changes only the draft's cost; with --toy it is measured with its real
-acceptance.
-
 Every speculating row records its mean acceptance length per repetition (0.0: no step speculated)
 and, on the toy pair, the problems answered right and its outputs' fingerprints; adaptive rows the
 draft_length_histogram per phase of their last repetition, and choice_trace: every fresh choice of
@@ -204,8 +200,6 @@ def vocab_size(args) -> int:
 def spec_config(args, ddir: Path, k: int, adaptive: bool) -> dict:
     """Speculative config of a K = k engine: the toy pair relaxed, else the good synthetic draft."""
     cfg: dict[str, Any] = {"model": str(ddir), "num_speculative_tokens": k}
-    if args.draft_quantization != "none":
-        cfg["quantization"] = args.draft_quantization
     if adaptive:
         cfg["adaptive_k"] = True
     if args.toy:
@@ -604,10 +598,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--toy", action="store_true", help="the bundled toy pair, real acceptance, relaxed")
-    p.add_argument(
-        "--draft-quantization", choices=("none", "fp8"), default="none",
-        help="the draft's SpeculativeConfig.quantization (fp8: float8 weights, layers/quant_fp8.py)",
-    )  # fmt: skip
     p.add_argument("--toy-level", choices=sorted(LEVELS), default="easy", help="toy problems (--toy)")
     p.add_argument("--relax", type=relax_arg, default=(0.3, 8), help="RATIO:TOP_K (--toy; default 0.3:8)")
     p.add_argument("--temperature", type=float, default=0.0, help="(--toy)")
@@ -642,7 +632,7 @@ def describe(args, engines: dict[str, LLM], device: torch.device) -> dict:
         "dtype": str(engines["plain"].llm_engine.model_info.dtype).removeprefix("torch."),
         "k_max": args.k_max, "repeats": args.repeats, "rows": [], "summary": [],
         "acceptance_seed": None if args.toy or args.acceptance_seed < 0 else args.acceptance_seed,
-        "engine_args": json.loads(args.engine_args), "draft_quantization": args.draft_quantization,
+        "engine_args": json.loads(args.engine_args),
     }  # fmt: skip
     if args.toy:
         ratio, top_k = args.relax

@@ -6,9 +6,6 @@ step), captures a CUDA graph of the layers' products one after another, and repo
 per product, the achieved read rate and the ratio to the HBM floor (weight bytes / --bandwidth),
 for cuBLAS and for every Triton launch shape in the grid; checks each Triton result against
 F.linear first. Writes JSON (--out) and prints the best shape per projection last.
---fp8 times the Triton GEMV on float8 weights with per-row scales (layers/quant_fp8.py: a draft with
-SpeculativeConfig.quantization "fp8") against cuBLAS on the bf16 weights; the floor is then the
-float8 bytes (half), and each result is checked against the float32 product of the widened weight.
 
     python benchmarks/bench_gemv.py --out gemv.json
 """
@@ -24,7 +21,6 @@ import torch
 import triton
 
 from thinkspec.layers.gemv_triton import gemv, gemv_config
-from thinkspec.layers.quant_fp8 import quantize_rows
 
 # (name, N, K, layers)
 SHAPES = [
@@ -70,7 +66,6 @@ def main() -> None:
     ap.add_argument("--stages", default="3")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--bandwidth", type=float, default=4.21e12)
-    ap.add_argument("--fp8", action="store_true", help="the Triton GEMV on float8 weights (see above)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -83,29 +78,23 @@ def main() -> None:
     for name, n, k, layers in [s for s in SHAPES if s[0] in wanted]:
         glu = name.endswith("_glu")
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-        # what the Triton GEMV reads: (weight, per-row scale or None) per layer
-        tw = [quantize_rows(w) for w in ws] if args.fp8 else [(w, None) for w in ws]
-        floor_us = n * k * (1 if args.fp8 else 2) / args.bandwidth * 1e6
+        floor_us = n * k * 2 / args.bandwidth * 1e6
         for m in ints(args.rows):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            w0, s0 = tw[0]
-            ref = torch.nn.functional.linear(x.float(), w0.float()) * (1.0 if s0 is None else s0)
+            ref = torch.nn.functional.linear(x, ws[0]).float()
             if glu:
                 ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
             cublas = graph_us(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws]) / layers
             # with glu, cuBLAS times the product alone (its SiLU * up would be a second launch)
-            row = dict(shape=name, n=n, k=k, glu=glu, rows=m, floor_us=floor_us, cublas_us=cublas, triton={},
-                       weight="fp8" if args.fp8 else "bf16")  # fmt: skip
+            row = dict(shape=name, n=n, k=k, glu=glu, rows=m, floor_us=floor_us, cublas_us=cublas, triton={})
             for bn, bk, warps, stages in grid:
                 if m * bn * bk * (1 + glu) // (32 * warps) > 128 or bk > 2 * triton.next_power_of_2(k):
                     continue  # too many accumulator registers per thread, or a block far past K
                 cfg = (bn, bk, warps, stages)
-                err = (gemv(x, w0, config=cfg, glu=glu, scale=s0).float() - ref).abs().max().item()
+                err = (gemv(x, ws[0], config=cfg, glu=glu).float() - ref).abs().max().item()
                 if err > 1e-2 * ref.abs().max().item() + 1e-3:
                     raise AssertionError(f"{name} rows {m} config {cfg}: max error {err}")
-                def run(x=x, cfg=cfg, glu=glu, tw=tw):
-                    return [gemv(x, w, config=cfg, glu=glu, scale=sc) for w, sc in tw]
-
+                run = lambda x=x, ws=ws, cfg=cfg, glu=glu: [gemv(x, w, config=cfg, glu=glu) for w in ws]  # noqa: E731
                 row["triton"][",".join(map(str, cfg))] = graph_us(run) / layers
             default = ",".join(map(str, gemv_config(m, n // 2 if glu else n, k, glu)))
             # gemv_config's shape at whatever stage count the grid has (stages change nothing here)
@@ -119,7 +108,6 @@ def main() -> None:
                   f"triton best {row['best_us']:7.1f} ({row['best_us'] / floor_us:.2f}x) [{best}]  "
                   f"default {row['default_us'] or float('nan'):7.1f} [{default}]", flush=True)  # fmt: skip
         ws.clear()
-        tw.clear()
         torch.cuda.empty_cache()
     if args.out:
         result = dict(device=torch.cuda.get_device_name(dev), rows=rows_out)

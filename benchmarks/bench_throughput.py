@@ -31,7 +31,6 @@ from thinkspec import LLM, SamplingParams
 from thinkspec.layers import gemv_triton, pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear, MergedLinear
-from thinkspec.layers.quant_fp8 import quantize_linears_fp8
 
 
 def sync(device: torch.device) -> None:
@@ -159,9 +158,7 @@ def main() -> None:
         "'noearly' (pdl.EARLY_RELEASE off: at one and two rows kernels no longer let the next one in right "
         "after their wait, nor the GEMV read its first weight tile before it, thinkspec_noearly); "
         "'noprefetch' (pdl.PREFETCH off: attention, the q/k norm + rotary and RMSNorm read nothing before "
-        "their wait, thinkspec_noprefetch); 'fp8' (every projection and the lm_head with float8 weights, "
-        "SpeculativeConfig.quantization's draft: with --shape 0.6b a draft forward's cost, thinkspec_fp8); "
-        "comma-separated",
+        "their wait, thinkspec_noprefetch); comma-separated",
     )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -214,7 +211,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         variants = [v for v in args.compare.split(",") if v]
-        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly", "noprefetch", "fp8")
+        allowed = ("cublas", "attn64", "combine", "nopdl", "noglu", "gemv512", "noearly", "noprefetch")
         unknown = sorted(set(variants) - set(allowed))
         if unknown:
             raise SystemExit(f"--compare: unknown variants {unknown} (allowed: {', '.join(allowed)})")
@@ -236,8 +233,6 @@ def main() -> None:
 
                 backend = TritonAttentionBackend(block_n=64 if variant == "attn64" else None,
                                                  fused_combine=variant != "combine")  # fmt: skip
-            if variant == "fp8":
-                quantize_linears_fp8(other.llm_engine.model)
             for m in other.llm_engine.model.modules():
                 if variant == "cublas" and isinstance(m, Linear):
                     m.skinny_gemm = False

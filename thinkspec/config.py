@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 SPEC_METHODS = ("draft_model", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
-DRAFT_QUANTIZATIONS = ("fp8",)  # SpeculativeConfig.quantization (layers/quant_fp8.py)
 MAX_RELAX_TOP_K = 64
 # vLLM's n-gram defaults: both bounds unset -> 5/5; one set -> the other copies it.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -105,11 +104,6 @@ class SpeculativeConfig:
       (see docs/ACCEPTANCE.md); engine defaults, overridable per request.
     - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
       its markers, or without a parser (both given) define a generic one.
-    - quantization: how the draft's weights are held: None (the model's dtype) or "fp8" (its
-      projections and lm_head as float8 e4m3 with one scale per output row, weights quantized at load:
-      half the bytes a drafted token reads; see layers/quant_fp8.py). Needs method "draft_model".
-      Output stays the target's (verification is unchanged); acceptance may change with the draft's
-      proposals.
     - synthetic_acceptance_rate: BENCHMARK TOOL ONLY. Each draft is accepted with this
       probability whatever the models say (the emitted token after the run is the target's
       argmax), so speed can be measured at a chosen acceptance length on random weights. Outputs
@@ -138,7 +132,6 @@ class SpeculativeConfig:
     synthetic_acceptance_rate: float | None = None
     synthetic_acceptance_profile: dict[str, Any] | None = None
     adaptive_k: bool = False
-    quantization: str | None = None
 
     def __post_init__(self) -> None:
         owner = "SpeculativeConfig"
@@ -170,15 +163,6 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ValueError(f"{owner}.model must be None with method='ngram', got {self.model!r}")
         self._check_prompt_lookup(owner)
-        if self.quantization is not None:
-            if self.quantization not in DRAFT_QUANTIZATIONS:
-                allowed = f"one of {DRAFT_QUANTIZATIONS} or None"
-                raise ValueError(f"{owner}.quantization must be {allowed}, got {self.quantization!r}")
-            if self.method != "draft_model":
-                raise ValueError(
-                    f"{owner}.quantization={self.quantization!r} applies to a draft model; method "
-                    f"{self.method!r} has none"
-                )
         _check_bool(owner, "adaptive_k", self.adaptive_k)
         if self.adaptive_k and self.method is None:
             raise ValueError(

@@ -31,7 +31,6 @@ from thinkspec.engine.model_runner import (
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.speculator import Speculator
 from thinkspec.engine_args import EngineArgs
-from thinkspec.layers.quant_fp8 import quantize_linears_fp8
 from thinkspec.models.loader import ModelInfo, load_model
 from thinkspec.reasoning.parsers import ResolvedReasoning
 from thinkspec.sampling.sampler import Sampler
@@ -207,8 +206,6 @@ def load_models(args: EngineArgs, tp: TPLayout) -> Models:
         draft_tp = tp if draft_split else TPLayout()
         draft_model, draft_info = load_model(spec.model, info.dtype, device, args.load_format, draft_tp)
         check_draft_compatible(tokenizer, info, draft_info)
-        if spec.quantization == "fp8":
-            quantize_linears_fp8(draft_model)
         d = draft_info
         # Both pools share the block tables, so one block costs the sum of the two.
         bytes_per_block += kv_cache_bytes_per_block(

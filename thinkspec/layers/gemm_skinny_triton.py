@@ -145,7 +145,6 @@ def _skinny_gemm_kernel(
     w_ptr,  # [N, K] (GLU: [2N, K], gate rows then up rows), last dim contiguous
     stride_w,
     b_ptr,  # [N] (GLU: [2N]) (HAS_BIAS)
-    s_ptr,  # [N] (GLU: [2N]) float32 per-row weight scales (HAS_SCALE: float8 weights, quant_fp8.py)
     y_ptr,  # [M, N] of any float dtype (SPLIT == False) or float32 partials [SPLIT_K, M, N] (SPLIT == True)
     stride_y,  # row stride of y / of one partial slice
     stride_ys,  # stride between partial slices (SPLIT)
@@ -154,7 +153,6 @@ def _skinny_gemm_kernel(
     K,
     K_PER_SPLIT,  # a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,  # scale each output's sums (every split's partial: the sum is linear)
     SPLIT: tl.constexpr,
     GLU: tl.constexpr,  # y = SiLU(x @ W[:N].T + b[:N]) * (x @ W[N:].T + b[N:]); never with SPLIT
     BLOCK_M: tl.constexpr,
@@ -207,10 +205,6 @@ def _skinny_gemm_kernel(
             acc_up = _tile_dot(w_up, x, acc_up, DOT_F32)
     release_next(PDL)
     store_ok = (cols < N)[:, None] & (rows < M)[None, :]
-    if HAS_SCALE:
-        acc *= tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
-        if GLU:
-            acc_up *= tl.load(s_ptr + N + cols, mask=cols < N, other=0.0)[:, None]
     if SPLIT:
         out = y_ptr + pid_k * stride_ys + rows[None, :] * stride_y + cols[:, None]
         tl.store(out, acc, mask=store_ok)
@@ -227,12 +221,11 @@ def _skinny_gemm_kernel(
 
 @triton.jit
 def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x [BLOCK_M, BLOCK_K].T in float32 (a float8 w
-    is widened to x's dtype first, exactly)."""
+    """acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x [BLOCK_M, BLOCK_K].T in float32."""
     if DOT_F32:
         return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     else:
-        return tl.dot(w.to(x.dtype), tl.trans(x), acc)
+        return tl.dot(w, tl.trans(x), acc)
 
 
 @triton.jit
@@ -310,7 +303,8 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     operands' addresses and row strides multiples of 16 bytes, as the copy engine needs."""
     if not TMA or (x.is_cuda and not hopper_or_newer(x.device)):
         return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
+    size = x.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x, weight))
 
 
 def skinny_gemm(
@@ -320,21 +314,16 @@ def skinny_gemm(
     config: Config | None = None,
     glu: bool = False,
     out: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS; bf16 or fp16), weight [N, K] (x's dtype, or float8 e4m3 with `scale`),
-    bias [N] or None -> x @ weight.T + bias [M, N] in x's dtype, or in `out` ([M, N], any float dtype:
-    rounded once to it).
-
-    scale: [N] (glu: [2 * N]) float32 per-row scales of a float8 weight (layers/quant_fp8.py): the
-    result is scale * (x @ weight.T) + bias, the scale applied to the float32 sums.
+    """x [M, K] (M <= MAX_ROWS; bf16 or fp16), weight [N, K] (x's dtype), bias [N] or None -> x @
+    weight.T + bias [M, N] in x's dtype, or in `out` ([M, N], any float dtype: rounded once to it).
 
     glu: weight [2 * N, K] holds gate rows then up rows (bias [2 * N]), and the result is
     SiLU(gate) * up [M, N] with the sums and roundings of the product followed by
     fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul; K is never split:
     SiLU needs whole sums).
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default skinny_gemm_config."""
-    return _skinny_product(x, weight, bias, config, glu, out, keep_partials=False, scale=scale)
+    return _skinny_product(x, weight, bias, config, glu, out, keep_partials=False)
 
 
 def skinny_gemm_rms_norm(
@@ -345,11 +334,9 @@ def skinny_gemm_rms_norm(
     norm_weight: torch.Tensor,
     eps: float,
     config: Config | None = None,
-    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K], weight [N, K], bias [N] or None, residual [M, N], norm_weight [N] (all of x's dtype,
-    bf16 or fp16; the weight may be float8 with its per-row `scale`, as in skinny_gemm) ->
-    (RMSNorm(h + residual), h + residual), both [M, N], with h = x @ weight.T + bias:
+    bf16 or fp16) -> (RMSNorm(h + residual), h + residual), both [M, N], with h = x @ weight.T + bias:
     the values of fused_triton.rms_norm(skinny_gemm(x, weight, bias), norm_weight, eps, residual), bit
     for bit. When the launch splits K, the residual add and the norm run in the launch that sums the
     partials (one launch fewer); otherwise the two launches run as written."""
@@ -360,7 +347,7 @@ def skinny_gemm_rms_norm(
     if residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
         dtypes = f"{x.dtype}, {residual.dtype}, {norm_weight.dtype}"
         raise ValueError(f"skinny_gemm_rms_norm takes x, residual and norm weight of one dtype, got {dtypes}")
-    y = _skinny_product(x, weight, bias, config, False, None, keep_partials=True, scale=scale)
+    y = _skinny_product(x, weight, bias, config, False, None, keep_partials=True)
     if y.dim() == 2:  # K not split
         return rms_norm(y, norm_weight, eps, residual)  # type: ignore[return-value]
     split, m, n = y.shape
@@ -384,16 +371,14 @@ def _skinny_product(
     glu: bool,
     out: torch.Tensor | None,
     keep_partials: bool,
-    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """skinny_gemm's launches -> y [M, N]; with keep_partials, when K is split, the float32 partials
     [S, M, N] instead (no bias added: skinny_gemm_rms_norm's kernel adds it)."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (x.dtype, torch.float8_e4m3fn):
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(
-            f"skinny_gemm takes bf16 or fp16 operands of one dtype (or a float8 weight), got {x.dtype}, "
-            f"{weight.dtype}"
+            f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
         )
-    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS, glu, out, scale)
+    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS, glu, out)
     if done:
         return y
     (m, k), n = x.shape, y.shape[1]
@@ -403,7 +388,6 @@ def _skinny_product(
     k_per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     b = bias if bias is not None else weight
-    sc = scale if scale is not None else weight
     grid = (triton.cdiv(n, block_n), split)
     pdl = launch_args(x.device)
     meta = dict(
@@ -419,14 +403,14 @@ def _skinny_product(
         wa = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     if split == 1:
         _skinny_gemm_kernel[grid](
-            xa, x.stride(0), wa, weight.stride(0), b, sc, y, y.stride(0), 0, m, n, k, k_per_split,
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SPLIT=False, GLU=glu, **meta,
+            xa, x.stride(0), wa, weight.stride(0), b, y, y.stride(0), 0, m, n, k, k_per_split,
+            HAS_BIAS=bias is not None, SPLIT=False, GLU=glu, **meta,
         )  # fmt: skip
         return y
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[grid](
-        xa, x.stride(0), wa, weight.stride(0), b, sc, part, n, m * n, m, n, k, k_per_split,
-        HAS_BIAS=False, HAS_SCALE=scale is not None, SPLIT=True, GLU=False, **meta,
+        xa, x.stride(0), wa, weight.stride(0), b, part, n, m * n, m, n, k, k_per_split,
+        HAS_BIAS=False, SPLIT=True, GLU=False, **meta,
     )  # fmt: skip
     if keep_partials:
         return part

@@ -34,7 +34,6 @@ from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 SMALL_N = 1024  # outputs up to which a long-K product takes its own launch shape (gemv_config)
-VOCAB_N = 65536  # outputs from which a float8 product (an lm_head) takes its own launch shape
 
 
 @triton.jit
@@ -44,14 +43,12 @@ def _gemv_kernel(
     w_ptr,  # [N, K] (GLU: [2N, K], gate rows then up rows), last dim contiguous
     stride_w,
     b_ptr,  # [N] (GLU: [2N]) (HAS_BIAS)
-    s_ptr,  # [N] (GLU: [2N]) float32 per-row weight scales (HAS_SCALE: float8 weights, quant_fp8.py)
     y_ptr,  # [M, N], last dim contiguous
     stride_y,
     M,
     N,
     K,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     GLU: tl.constexpr,  # y = SiLU(x @ W[:N].T + b[:N]) * (x @ W[N:].T + b[N:])
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -105,14 +102,10 @@ def _gemv_kernel(
     if not EARLY:
         release_next(PDL)
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if HAS_SCALE:
-        y *= tl.load(s_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GLU:
         up = tl.sum(acc_up, axis=2)
-        if HAS_SCALE:
-            up *= tl.load(s_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
         if HAS_BIAS:
             up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         y = silu_mul(y, up, x_ptr.dtype.element_ty)
@@ -120,11 +113,9 @@ def _gemv_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def gemv_config(
-    num_rows: int, n: int, k: int, glu: bool = False, fp8: bool = False
-) -> tuple[int, int, int, int]:
+def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [num_rows, k] x [n, k].T product (glu: n
-    outputs from 2n weight rows; fp8: float8 weights, fp8_config).
+    outputs from 2n weight rows).
 
     Best summed time over the Qwen3-8B and 0.6B projections on the H200 at 1 and 2 rows
     (bench_gemv); num_stages makes no difference (nothing in the loop feeds a dot to pipeline).
@@ -137,33 +128,11 @@ def gemv_config(
     twenty-first session).
     With glu a program reads gate and up rows: half the outputs, the same weight rows per program
     (and registers: two accumulators of the full size spill at 2 rows)."""
-    if fp8:
-        return fp8_config(num_rows, n, k, glu)
     block_k = min(512, triton.next_power_of_2(k))
     block_n, warps = (4, 2) if num_rows <= 2 else (2, 4)
     if num_rows <= 2 and n <= SMALL_N and k >= 2048 and not glu:
         block_n, block_k, warps = 2, 2048, 4
     return block_n // 2 if glu else block_n, block_k, warps, 1
-
-
-def fp8_config(num_rows: int, n: int, k: int, glu: bool) -> tuple[int, int, int, int]:
-    """gemv_config for float8 weights: the best spill-free launch shapes at the Qwen3-0.6B draft's
-    products on the H200 (bench_gemv --fp8, docs/BENCHMARKS.md, twenty-ninth session), us at 1 / 2
-    rows. A weight tile is half the bytes, so a program takes twice the K for the same bytes in
-    flight. q/k/v (4, 1024, 2) 2.93 at 1 row, (4, 512, 2) 3.61 at 2; o (4, 2048, 4) 2.24 / 2.41; down
-    (4, 2048, 4) 3.24, at 2 rows (4, 1024, 4) 3.82 (its K of 3072 is masked in 2048-wide tiles, which
-    spill there); gate/up with SiLU (2 outputs, 512 / 1024, 2) 4.50 / 7.03; the lm_head (8 / 4, 512,
-    2) 62.5 / 103.0 (its bf16 weight on cuBLAS: 75.4 / 76.0). Faster shapes that spill registers
-    (q/k/v (8, 1024, 2) 2.84, down (4, 4096, 4) 2.83) are not used."""
-    one = num_rows <= 1
-    width = triton.next_power_of_2(k)
-    if glu:
-        return 2, min(512 if one else 1024, width), 2, 1
-    if n <= SMALL_N and k >= 2048:
-        return 4, 2048 if one or k % 2048 == 0 else 1024, 4, 1
-    if n >= VOCAB_N:
-        return 8 if one else 4, min(512, width), 2, 1
-    return 4, min(1024 if one else 512, width), 2, 1
 
 
 def product_operands(
@@ -174,7 +143,6 @@ def product_operands(
     max_rows: int,
     glu: bool = False,
     out: torch.Tensor | None = None,  # [M, N] of any float dtype, or None
-    scale: torch.Tensor | None = None,  # [N] (glu: [2 * N]) float32, with a float8 weight only
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(x, weight with contiguous last dims, y, done): the checks and the empty cases a skinny product
     kernel shares. y is `out`, or a new [M, N] in x's dtype; done is True when y already holds the
@@ -185,13 +153,6 @@ def product_operands(
         shapes = f"{tuple(x.shape)} x {tuple(weight.shape)}"
         even = " with N even (gate rows, then up rows)" if glu else ""
         raise ValueError(f"{name} takes [M <= {max_rows}, K] x [N, K]{even}, got {shapes}")
-    fp8 = weight.dtype == torch.float8_e4m3fn
-    if fp8 != (scale is not None):
-        got = f"{weight.dtype} with scale {'None' if scale is None else tuple(scale.shape)}"
-        raise ValueError(f"{name}: a float8 weight needs its per-row scale and only it takes one, got {got}")
-    if scale is not None and (scale.shape != (rows,) or scale.dtype != torch.float32 or scale.stride(0) != 1):
-        got = f"{scale.dtype} {tuple(scale.shape)}"
-        raise ValueError(f"{name}: scale must be a contiguous float32 [{rows}], got {got}")
     n = rows // 2 if glu else rows
     if out is not None and (out.shape != (m, n) or out.stride(1) != 1 or not out.is_floating_point()):
         want = f"a float [{m}, {n}] with a contiguous last dim"
@@ -218,29 +179,24 @@ def gemv(
     config: tuple[int, int, int, int] | None = None,
     glu: bool = False,
     out: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> x @ weight.T + bias [M, N] in x's
     dtype, or in `out` ([M, N], any float dtype: the float32 sums rounded once to it).
-
-    scale: [N] (glu: [2 * N]) float32 per-row scales of a float8 weight (layers/quant_fp8.py): the
-    result is scale * (x @ weight.T) + bias, the scale applied to the float32 sums.
 
     glu: weight [2 * N, K] holds gate rows then up rows (bias [2 * N]), and the result is
     SiLU(gate) * up [M, N] with the sums and roundings of the product followed by
     fused_triton.silu_and_mul at the same launch shape (see fused_triton.silu_mul), in one launch.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages), default gemv_config (benchmarks pass others)."""
-    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS, glu, out, scale)
+    x, weight, y, done = product_operands("gemv", x, weight, bias, MAX_ROWS, glu, out)
     if done:
         return y
     (m, k), n = x.shape, y.shape[1]
-    block_n, block_k, warps, stages = config or gemv_config(m, n, k, glu, fp8=scale is not None)
+    block_n, block_k, warps, stages = config or gemv_config(m, n, k, glu)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight,
-        scale if scale is not None else weight, y, y.stride(0), m, n, k,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu,
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        EARLY=early_release(m), num_warps=warps, num_stages=stages,
+        x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, y, y.stride(0),
+        m, n, k,
+        HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, EARLY=early_release(m), num_warps=warps, num_stages=stages,
         **launch_args(x.device),
     )  # fmt: skip
     return y

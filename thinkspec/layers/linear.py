@@ -12,10 +12,6 @@ product to the skinny GEMM, which runs them in its split-K sum launch.
 `MergedLinear` runs several projections sharing one input as a single matmul: checkpoints store
 them separately (q_proj/k_proj/v_proj, gate_proj/up_proj); the loader copies each one into its
 row range with `load_shard`.
-`Linear.quantize_fp8` (a draft with SpeculativeConfig.quantization "fp8") swaps a loaded weight for
-float8 e4m3 with per-row scales (layers/quant_fp8.py): its products of up to FP8_GEMV_MAX_ROWS rows
-run on the GEMV and of up to the skinny GEMM's MAX_ROWS on that kernel, whatever the shape (cuBLAS
-takes no float8 weight with 16-bit activations); the rest widen the weight (quant_fp8.fp8_linear).
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from thinkspec.layers.norm import RMSNorm
 
 GEMV_MAX_ROWS = 2  # from 4 rows on cuBLAS's tensor-core kernels win (bench_gemv)
 GEMV_MAX_WEIGHT = 64 * 1024**2  # elements; Qwen3-8B's gate/up (100M) and lm_head stay on cuBLAS
-FP8_GEMV_MAX_ROWS = 2  # float8 weights: the GEMV up to here, then the skinny GEMM (as for 16-bit ones)
 _HALF = (torch.bfloat16, torch.float16)  # the skinny GEMM's operand types
 
 
@@ -40,26 +35,6 @@ CheckpointSlice = tuple[int, int, int] | None
 class Linear(nn.Linear):
     gemv = False  # True: the Triton GEMV for the products described above (CUDA or TRITON_INTERPRET)
     skinny_gemm = False  # True: the skinny Triton GEMM where SKINNY_GEMM_TABLE says it wins
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None
-    ) -> None:
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        # [out] float32 per-row scales once the weight is float8 (quantize_fp8); None: unquantized
-        self.weight_scale: torch.Tensor | None
-        self.register_buffer("weight_scale", None)
-
-    def quantize_fp8(self) -> None:
-        """Hold the (loaded) weight as float8 e4m3 with one float32 scale per output row, in place
-        (layers/quant_fp8.py); a weight shared with another module (a tied lm_head) is copied, not
-        changed. Bias and outputs keep their dtype."""
-        from thinkspec.layers.quant_fp8 import quantize_rows
-
-        if self.weight_scale is not None:
-            raise ValueError("quantize_fp8: this layer's weight is float8 already")
-        q, scale = quantize_rows(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = scale
 
     def checkpoint_slice(self, leaf: str, shard: str | None = None) -> CheckpointSlice:
         """The part of checkpoint tensor `leaf` ("weight" [out, in] / "bias" [out]; of projection
@@ -77,23 +52,17 @@ class Linear(nn.Linear):
         # times the second half [..., out / 2] (a Triton kernel must take it: see MergedLinear.silu_and_mul);
         # out: a float [rows, out] buffer (any float dtype) the result is written into, or None
         kernel = self.triton_kernel(x, glu)
-        scale = self.weight_scale
         if kernel == "gemv":
             from thinkspec.layers.gemv_triton import gemv
 
-            return gemv(x, self.weight, bias, glu=glu, out=out, scale=scale)
+            return gemv(x, self.weight, bias, glu=glu, out=out)
         if kernel == "skinny":
             from thinkspec.layers.gemm_skinny_triton import skinny_gemm
 
-            return skinny_gemm(x, self.weight, bias, glu=glu, out=out, scale=scale)
+            return skinny_gemm(x, self.weight, bias, glu=glu, out=out)
         if glu:
             shapes = f"{tuple(x.shape)} x {tuple(self.weight.shape)}"
             raise ValueError(f"no Triton kernel takes the SiLU product {shapes}")
-        if scale is not None:
-            from thinkspec.layers.quant_fp8 import fp8_linear
-
-            y = fp8_linear(x, self.weight, scale, bias)
-            return y if out is None else out.copy_(y)
         if out is None:
             return F.linear(x, self.weight, bias)
         if bias is None and x.is_cuda and out.dtype != x.dtype and x.dim() == 2:
@@ -107,14 +76,6 @@ class Linear(nn.Linear):
         if x.dim() != 2:
             return None
         rows, n = x.shape[0], self.out_features // 2 if glu else self.out_features
-        if self.weight_scale is not None:  # float8: a Triton kernel whatever the shape, where one runs
-            from thinkspec.layers import gemm_skinny_triton as gs
-
-            if self.gemv and rows <= FP8_GEMV_MAX_ROWS:
-                return "gemv"
-            if self.skinny_gemm and x.dtype in _HALF and gs.MIN_ROWS <= rows <= gs.MAX_ROWS:
-                return "skinny"
-            return None
         if self.gemv and rows <= GEMV_MAX_ROWS and self.weight.numel() <= GEMV_MAX_WEIGHT:
             return "gemv"
         if self.skinny_gemm and x.dtype in _HALF and x.dtype == self.weight.dtype:
@@ -172,9 +133,7 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1 and norm.fused and one_dtype and self.triton_kernel(x) == "skinny":
             from thinkspec.layers.gemm_skinny_triton import skinny_gemm_rms_norm
 
-            return skinny_gemm_rms_norm(
-                x, self.weight, self.bias, residual, norm.weight, norm.eps, scale=self.weight_scale
-            )
+            return skinny_gemm_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
         return norm(self(x), residual)  # type: ignore[return-value]
 
 
