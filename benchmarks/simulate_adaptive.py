@@ -15,7 +15,11 @@ measured batch sizes. The draft's catch-up: every row falls one token behind in 
 the first drafting step after plain steps that left a row more than 2 behind costs --switch-ms more
 (the engine's switch; the chooser is told the draft is behind, and learns the cost from that step).
 What it leaves out: the cheaper draft forwards of rows with shorter windows, steps that a row leaving
-breaks out of async scheduling.
+breaks out of async scheduling. --draws token draws one uniform per row and output position at the
+start of each run instead of fresh ones per step, as bench_adaptive.py's seeded profiles hash
+(request, output position): the same token meets the same draw whatever window covers it, so every
+policy of a seed meets the same hard tokens and policies compare paired (the default, step, keeps the
+figures recorded with it reproducible).
 
 Policies: plain, fixed k = 1..K and adaptive: AdaptiveDraftLength with the cost model the engine
 measured (the JSON's graph-replay figures per bucket), learning its overheads from the simulated
@@ -26,7 +30,9 @@ bench_adaptive.py's order, as on the device), for each of --seeds seeds; tok/s =
 bench_adaptive.py (and its least over the seeds). --set NAME=VALUE changes a constant of the chooser
 (what-if runs, e.g. --set PLAIN_MARGIN=0). --phase-grid also runs every fixed pair (thinking rows
 draft T, answer rows A) and reports the best: what a chooser that knew each phase's best k from the
-start would give, the ceiling of any choice on these step times.
+start would give, the ceiling of any choice on these step times. --oracle also runs "oracle": the
+chooser told the profile's true conditional rates, which it never updates (what a perfect acceptance
+estimate would give; it still probes and learns its overheads).
 
     python3 benchmarks/simulate_adaptive.py \
         benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json --seeds 8 --runs 5 \
@@ -42,7 +48,15 @@ from pathlib import Path
 import numpy as np
 
 from thinkspec.spec_decode import draft_length
-from thinkspec.spec_decode.draft_length import ANSWER, GROUPS, THINKING, AdaptiveDraftLength, drain_weights
+from thinkspec.spec_decode.draft_length import (
+    ANSWER,
+    GROUPS,
+    THINKING,
+    THINKING_RELAXED,
+    AcceptanceEstimates,
+    AdaptiveDraftLength,
+    drain_weights,
+)
 from thinkspec.spec_decode.step_costs import StepCostModel, StepCosts
 
 
@@ -99,12 +113,16 @@ class ClosedBatch:
         steps: tuple,
         rates: np.ndarray,
         switch_ms: float = 0.0,
+        draws: str = "step",
     ):
         self.batch, self.output_len, self.thinking_tokens = batch, output_len, thinking_tokens
         self.step_batches, self.step_ms = steps  # [M], [M, K+1]
         self.rates = rates  # [G, K] conditional acceptance per group (only answer and thinking used)
         self.switch_ms = switch_ms  # a drafting step's extra ms when plain steps left the draft behind
         self.drain = DRAIN  # the chooser weighs rows by the tokens they have left, as the engine's does
+        if draws not in DRAWS:
+            raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
+        self.draws = draws  # "step": fresh uniforms per step; "token": one per row and output position
 
     def step_time(self, rows: int, kmax: int) -> float:
         return float(np.interp(rows, self.step_batches, self.step_ms[:, kmax]))
@@ -116,6 +134,8 @@ class ClosedBatch:
         lag = 0  # plain steps since the last drafting step: tokens every row's draft is behind
         seconds = 0.0
         k_max = self.rates.shape[1]
+        # [rows, output_len + K] the draw of each row's output position (a window may reach past the end)
+        by_token = rng.random((self.batch, self.output_len + k_max)) if self.draws == "token" else None
         while True:
             live = np.flatnonzero(done < self.output_len)
             if live.size == 0:
@@ -132,7 +152,11 @@ class ClosedBatch:
             else:
                 ks = np.full(live.size, policy)
             ks = np.minimum(ks, self.output_len - done[live] - 1)  # the room each row has left
-            trials = rng.random((live.size, k_max)) < self.rates[groups]  # [R, K]
+            if by_token is None:
+                u = rng.random((live.size, k_max))  # [R, K]
+            else:  # draft i of a row covers its output position done + i
+                u = by_token[live[:, None], done[live][:, None] + np.arange(k_max)[None, :]]
+            trials = u < self.rates[groups]  # [R, K]
             streak = np.cumprod(trials, axis=1).sum(axis=1)
             accepted = np.minimum(streak, ks)
             done[live] += accepted + 1
@@ -149,8 +173,9 @@ class ClosedBatch:
 
 
 DRAIN = True  # --no-drain: the chooser counts every row alike (the engine while requests wait)
+DRAWS = ("step", "token")  # see ClosedBatch.draws
 
-# Chooser constants --set may change (what-if runs): module constants of draft_length, and the two
+# Chooser constants --set may change (what-if runs): module constants of draft_length, and the
 # weights of its acceptance estimates
 SETTABLE = (
     "PLAIN_MARGIN",
@@ -161,7 +186,7 @@ SETTABLE = (
     "REFRESH_PLAIN",
     "SWITCH_HORIZON",
 )
-ESTIMATE_WEIGHTS = {"RATE_ALPHA": "alpha", "MAX_STEP_WEIGHT": "max_weight"}
+ESTIMATE_WEIGHTS = {"RATE_ALPHA": "alpha", "MAX_STEP_WEIGHT": "max_weight", "SHRINK": "shrink"}
 
 
 def chooser(result: dict, k_max: int, settings: dict[str, float]) -> AdaptiveDraftLength:
@@ -177,15 +202,39 @@ def chooser(result: dict, k_max: int, settings: dict[str, float]) -> AdaptiveDra
     return policy
 
 
-def closed_batch(result: dict, batch: int, k_max: int, switch_ms: float = 0.0) -> ClosedBatch:
-    """The JSON's good profile and step times at one batch size; switch_ms: see ClosedBatch."""
+class KnownRates(AcceptanceEstimates):
+    """Estimates that are the true conditional rates [G, K] and learn nothing (--oracle)."""
+
+    def __init__(self, rates: np.ndarray) -> None:
+        super().__init__(rates.shape[1])
+        self.rates = rates.copy()
+
+    def observe(self, groups: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        pass
+
+
+def oracle(result: dict, k_max: int, settings: dict[str, float], rates: np.ndarray) -> AdaptiveDraftLength:
+    """The chooser of `chooser` told the profile's conditional rates [G, K] (relaxed thinking rows as
+    thinking ones), which it keeps."""
+    policy = chooser(result, k_max, settings)
+    known = rates.copy()
+    known[THINKING_RELAXED] = known[THINKING]
+    policy.estimates = KnownRates(known)
+    return policy
+
+
+def closed_batch(
+    result: dict, batch: int, k_max: int, switch_ms: float = 0.0, draws: str = "step"
+) -> ClosedBatch:
+    """The JSON's good profile and step times at one batch size; switch_ms, draws: see ClosedBatch."""
     profile = result["profiles"]["good"]
     rates = np.zeros((len(GROUPS), k_max))
     rates[ANSWER] = conditional_rates(profile["answer"])[:k_max]
     rates[THINKING] = conditional_rates(profile["thinking"])[:k_max]
     return ClosedBatch(
-        batch, result["output_len"], profile["thinking_tokens"], step_table(result, k_max), rates, switch_ms
-    )
+        batch, result["output_len"], profile["thinking_tokens"], step_table(result, k_max), rates, switch_ms,
+        draws,
+    )  # fmt: skip
 
 
 def simulate(
@@ -197,10 +246,13 @@ def simulate(
     settings: dict[str, float] | None = None,
     switch_ms: float = 0.0,
     phase_grid: bool = False,
+    draws: str = "step",
+    with_oracle: bool = False,
 ) -> dict[str, float]:
     """Mean tok/s of plain, fixed k = 1..k_max and adaptive at one batch size (its own chooser);
-    phase_grid: also every fixed (thinking k, answer k) pair, as "k=T/A"."""
-    sim = closed_batch(result, batch, k_max, switch_ms)
+    phase_grid: also every fixed (thinking k, answer k) pair, as "k=T/A"; with_oracle: also the chooser
+    told the true rates, as "oracle"; draws: see ClosedBatch."""
+    sim = closed_batch(result, batch, k_max, switch_ms, draws)
     tokens = batch * (sim.output_len - 1)
     out = {}
     policies: list[tuple[str, object]] = [("plain", 0)] + [(f"k={k}", k) for k in range(1, k_max + 1)]
@@ -208,6 +260,8 @@ def simulate(
         pairs = [(t, a) for t in range(k_max + 1) for a in range(k_max + 1) if t != a]
         policies += [(f"k={t}/{a}", (t, a)) for t, a in pairs]
     policies.append(("adaptive", chooser(result, k_max, settings or {})))
+    if with_oracle:
+        policies.append(("oracle", oracle(result, k_max, settings or {}, sim.rates)))
     for name, policy in policies:
         rng = np.random.default_rng(seed)
         sim.run(policy, rng)  # warm-up: the chooser learns, as bench_adaptive.py's warm-up run
@@ -223,10 +277,11 @@ def simulate_shared(
     seed: int,
     settings: dict[str, float] | None = None,
     switch_ms: float = 0.0,
+    draws: str = "step",
 ) -> dict[int, float]:
     """Mean tok/s of adaptive at each batch size with one chooser for all of them, run in
     bench_adaptive.py's order: a warm-up pass over the batch sizes, then runs passes."""
-    sims = {b: closed_batch(result, b, k_max, switch_ms) for b in batches}
+    sims = {b: closed_batch(result, b, k_max, switch_ms, draws) for b in batches}
     policy = chooser(result, k_max, settings or {})
     rng = np.random.default_rng(seed)
     for b in batches:
@@ -257,6 +312,10 @@ def main() -> None:
                     help="extra ms of a drafting step after plain steps (the draft's catch-up)")  # fmt: skip
     ap.add_argument("--no-drain", action="store_true",
                     help="the chooser counts every row alike, not by the tokens it has left")  # fmt: skip
+    ap.add_argument("--draws", choices=DRAWS, default="step",
+                    help="token: one draw per row and output position, as on the device")  # fmt: skip
+    ap.add_argument("--oracle", action="store_true",
+                    help="also the chooser told the profile's true rates (a perfect estimate)")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     global DRAIN
@@ -275,14 +334,15 @@ def main() -> None:
     shared = []
     if args.shared:
         shared = [
-            simulate_shared(result, batches, k_max, args.runs, seed, settings, args.switch_ms)
+            simulate_shared(result, batches, k_max, args.runs, seed, settings, args.switch_ms, args.draws)
             for seed in range(args.seeds)
         ]
+    options = {"switch_ms": args.switch_ms, "phase_grid": args.phase_grid, "draws": args.draws,
+               "with_oracle": args.oracle}  # fmt: skip
     table = []
     for b in batches:
         per_seed = [
-            simulate(result, b, k_max, args.runs, seed, settings, args.switch_ms, args.phase_grid)
-            for seed in range(args.seeds)
+            simulate(result, b, k_max, args.runs, seed, settings, **options) for seed in range(args.seeds)
         ]
         for t, adaptive in zip(per_seed, shared):
             t["adaptive"] = adaptive[b]
@@ -300,14 +360,17 @@ def main() -> None:
             **({"best_phase_ks": pair, "best_phase_ks_tok_per_s": pairs[pair],
                 "adaptive_over_best_phase_ks": tok["adaptive"] / pairs[pair],
                 "best_phase_ks_over_plain": pairs[pair] / tok["plain"]} if pair else {}),
+            **({"oracle_over_best": tok["oracle"] / max(tok["plain"], fixed[best]),
+                "adaptive_over_oracle": tok["adaptive"] / tok["oracle"]} if args.oracle else {}),
         })  # fmt: skip
     out = {"source": Path(args.result).name, "runs": args.runs, "seeds": args.seeds, "settings": settings,
-           "switch_ms": args.switch_ms, "shared_chooser": args.shared, "rows": table}  # fmt: skip
+           "switch_ms": args.switch_ms, "shared_chooser": args.shared, "draws": args.draws,
+           "rows": table}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"simulated closed batch on the step times of {out['source']}: {args.seeds} seed(s) x {args.runs} "
           f"runs, mean tok/s, settings {settings or 'as in the engine'}, "
-          f"switch {args.switch_ms} ms")  # fmt: skip
+          f"switch {args.switch_ms} ms, draws per {args.draws}")  # fmt: skip
     heads = ("plain", "best fixed", "adaptive", "ad/best", "(least)", "ad/plain")
     print(f"{'batch':>6} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, (9, 16, 9, 8, 8, 8))))
     for row in table:
@@ -320,6 +383,10 @@ def main() -> None:
             print(f"{'':>6} best fixed pair (thinking k / answer k) {row['best_phase_ks']} {pair_tok}, "
                   f"{row['best_phase_ks_over_plain']:.3f} x plain; adaptive / it "
                   f"{row['adaptive_over_best_phase_ks']:.3f}")  # fmt: skip
+        if "oracle" in t:
+            print(f"{'':>6} oracle (the true rates) {t['oracle']:.0f} tok/s, "
+                  f"{row['oracle_over_best']:.3f} x the best fixed k; "
+                  f"adaptive / it {row['adaptive_over_oracle']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -126,3 +126,57 @@ def test_phase_grid_finds_the_best_k_of_each_phase():
     batch.step_time = counted  # type: ignore[method-assign]
     batch.run((2, 0), np.random.default_rng(0))
     assert set(steps) <= {0, 2} and 2 in steps and 0 in steps  # thinking drafts 2, answer plain steps
+
+
+def test_token_draws_meet_every_policy_at_the_same_tokens():
+    """--draws token: one draw per output position, drawn at the start of a run, so a run's steps follow
+    from those draws alone (checked against a replay of them at k = 1) and every policy leaves the
+    generator where any other does (the next run of each meets the same draws)."""
+    result = _result(5.0, 0.5, [5.5, 6.0, 6.5], 0.5)
+    batch = sim.closed_batch(result, 1, K, draws="token")
+    steps = []
+    orig = batch.step_time
+
+    def counted(rows: int, kmax: int) -> float:
+        steps.append(kmax)
+        return orig(rows, kmax)
+
+    batch.step_time = counted  # type: ignore[method-assign]
+    batch.run(1, np.random.default_rng(3))
+    u = np.random.default_rng(3).random((1, 64 + K))[0]
+    done, expected = 1, 0
+    while done < 64:  # a draft at output position done, accepted when its draw is under the rate
+        done += 2 if u[done] < 0.5 and done < 63 else 1
+        expected += 1
+    assert len(steps) == expected
+    states = []
+    for policy in (0, 1, 3, (3, 1), sim.chooser(result, K, {})):
+        rng = np.random.default_rng(5)
+        batch.run(policy, rng)
+        states.append(rng.random())
+    assert len(set(states)) == 1
+    step = sim.closed_batch(result, 1, K)  # per step: a policy that drafts more draws more
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    step.run(1, a)
+    step.run(3, b)
+    assert a.random() != b.random()
+    with pytest.raises(ValueError, match="draws must be one of"):
+        sim.closed_batch(result, 1, K, draws="row")
+
+
+def test_oracle_chooser_keeps_the_true_rates():
+    """--oracle: the chooser told the profile's rates drafts K for thinking rows that always accept and
+    nothing for answer rows that never do, from its first choice on, and its rates never move."""
+    result = _result(5.0, 0.5, [5.5, 6.0, 6.5], 0.99)
+    result["profiles"]["good"]["answer"] = [0.0] * K
+    batch = sim.closed_batch(result, 1, K, draws="token")
+    policy = sim.oracle(result, K, {}, batch.rates)
+    truth = policy.estimates.rates.copy()
+    assert truth[1].tolist() == pytest.approx([0.99] * K) and truth[0].tolist() == [0.0] * K
+    assert truth[2].tolist() == truth[1].tolist()  # relaxed thinking rows as thinking ones
+    assert policy.choose([0, 1, 0]).tolist() == [0, K, 0]
+    assert policy.choose([1, 0, 0]).tolist() == [0, 0, 0]
+    batch.run(policy, np.random.default_rng(0))
+    assert np.array_equal(policy.estimates.rates, truth)
+    tok = sim.simulate(result, 1, K, runs=2, seed=0, phase_grid=True, draws="token", with_oracle=True)
+    assert tok["oracle"] > 0.97 * tok["k=3/0"] and tok["oracle"] > tok["k=3"]
