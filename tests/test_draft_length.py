@@ -16,11 +16,13 @@ from thinkspec.spec_decode.draft_length import (
     PLAIN_MARGIN,
     PLAIN_PROBE_PERIOD,
     PLAIN_PROBE_ROWS,
+    PRIOR_RATE,
     PROBE_PERIOD,
     REFRESH,
     REFRESH_PLAIN,
     SWITCH_HORIZON,
     THINKING,
+    THINKING_RELAXED,
     AcceptanceEstimates,
     AdaptiveDraftLength,
     ForcedDraftLength,
@@ -48,23 +50,95 @@ def test_expected_tokens():
 
 
 def test_estimates_count_tried_and_accepted_positions():
-    est = AcceptanceEstimates(K, prior=0.5, alpha=1.0, max_weight=1.0)  # the last step's ratio
+    """Without shrinkage and with a window of one step (alpha 1) a tried position's estimate is the last
+    step's ratio and an untried one its group's pooled rate (the prior's one try gone with the step)."""
+    est = AcceptanceEstimates(K, prior=0.5, alpha=1.0, max_weight=1.0, shrink=0.0)
     groups = np.array([THINKING, THINKING, ANSWER])
     est.observe(groups, num_drafts=np.array([4, 2, 3]), num_accepted=np.array([1, 2, 0]))
     # thinking: pos 0 tried by both, accepted by both; pos 1 tried by both, accepted by row 1;
     # pos 2 tried by neither (row 0 stopped at 1, row 1 drafted 2). answer: pos 0 tried, rejected.
-    np.testing.assert_allclose(est.rates[THINKING], [1.0, 0.5, 0.5, 0.5])
-    np.testing.assert_allclose(est.rates[ANSWER], [0.0, 0.5, 0.5, 0.5])
+    # Each tried position's two tries count as one (the whole window): pooled (1 + 0.5) / 2.
+    np.testing.assert_allclose(est.rates[THINKING], [1.0, 0.5, 0.75, 0.75])
+    np.testing.assert_allclose(est.rates[ANSWER], [0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(est.rates[THINKING_RELAXED], 0.5)  # no row: the prior, untouched
+    np.testing.assert_allclose(est.prior_tries, [0.0, 0.0, 1.0])
 
 
 def test_one_step_weighs_at_most_max_weight():
-    """Many rows in one step move the estimate by at most max_weight of the way; one row by alpha."""
+    """A step's tries of a position count as at most max_weight / alpha tries (64 rows at batch 64
+    would otherwise outweigh the whole window), one try as one, and the older counts keep the rest."""
     est = AcceptanceEstimates(K, prior=0.5, alpha=0.05, max_weight=0.2)
     rows = np.full(64, THINKING)
     est.observe(rows, num_drafts=np.full(64, 1), num_accepted=np.full(64, 1))  # 64 tries, all accepted
-    np.testing.assert_allclose(est.rates[THINKING, 0], 0.5 + 0.2 * 0.5)
-    est.observe(np.array([ANSWER]), num_drafts=np.array([1]), num_accepted=np.array([0]))
-    np.testing.assert_allclose(est.rates[ANSWER, 0], 0.5 - 0.05 * 0.5)
+    np.testing.assert_allclose(est.tries[THINKING], [0.2 / 0.05, 0, 0, 0])
+    np.testing.assert_allclose(est.accepts[THINKING], [0.2 / 0.05, 0, 0, 0])
+    est.observe(np.array([THINKING]), num_drafts=np.array([1]), num_accepted=np.array([0]))
+    np.testing.assert_allclose(est.tries[THINKING, 0], 0.95 * 4.0 + 1.0)
+    np.testing.assert_allclose(est.accepts[THINKING, 0], 0.95 * 4.0)
+    # the prior starts as a window's tries (1 / alpha) and ages as the counts do
+    prior = 20.0 * 0.8 * 0.95
+    np.testing.assert_allclose(est.prior_tries[THINKING], prior)
+    pooled = (0.95 * 4.0 + 0.5 * prior) / (0.95 * 4.0 + 1.0 + prior)
+    shrink = est.shrink
+    np.testing.assert_allclose(est.rates[THINKING, 0], (0.95 * 4.0 + shrink * pooled) / (4.8 + shrink))
+    np.testing.assert_allclose(est.rates[THINKING, 1:], pooled)
+
+
+def test_an_untried_position_takes_its_groups_pooled_rate():
+    """Rows that draft one token accepted 80% of the time: the positions they never reach estimate
+    about 0.8 (the group's rate), not the prior 0.7 a probe would have to correct."""
+    rng = np.random.default_rng(0)
+    est = AcceptanceEstimates(K)
+    for _ in range(400):
+        est.observe(np.array([THINKING]), np.array([1]), (rng.random(1) < 0.8).astype(np.int64))
+    assert est.tries[THINKING, 1:].sum() == 0
+    assert abs(est.rates[THINKING, 0] - 0.8) < 0.08
+    np.testing.assert_allclose(est.rates[THINKING, 1:], est.rates[THINKING, 1])
+    assert abs(est.rates[THINKING, 1] - 0.8) < 0.08 and est.rates[THINKING, 1] != PRIOR_RATE
+
+
+def test_an_unlucky_start_does_not_set_the_estimates_alone():
+    """Eight first steps whose drafts are all rejected: the prior still weighs most of a window of tries,
+    so the group's pooled rate stays near it (the untried positions about 0.6) and the first position
+    near 0.48, instead of all dropping below 0.1 and sending the group to plain decoding, where no
+    draft would be tried again to correct them."""
+    est = AcceptanceEstimates(K)
+    for _ in range(8):
+        est.observe(np.array([ANSWER]), np.array([3]), np.array([0]))
+    rates = est.rates[ANSWER]
+    assert 0.4 < rates[0] < 0.55 < rates[1:].min() <= rates.max() < PRIOR_RATE
+    assert est.prior_tries[ANSWER] > 0.8 / est.alpha
+
+
+def test_estimates_shrink_a_positions_noise_toward_its_group():
+    """Every position accepts 80%: over many steps the per-position estimates spread less than the
+    same counts' own ratios do (the pooled rate takes the noise out), and sit near the truth."""
+    rng = np.random.default_rng(1)
+    est = AcceptanceEstimates(K)
+    spread_own, spread_est = [], []
+    for _ in range(3000):
+        accepted = np.cumprod(rng.random(K) < 0.8).sum()
+        est.observe(np.array([THINKING]), np.array([K]), np.array([accepted]))
+        own = est.accepts[THINKING] / np.maximum(est.tries[THINKING], 1e-9)
+        spread_own.append(np.abs(own - 0.8).mean())
+        spread_est.append(np.abs(est.rates[THINKING] - 0.8).mean())
+    assert np.mean(spread_est[500:]) < 0.8 * np.mean(spread_own[500:])
+    assert np.abs(est.rates[THINKING] - 0.8).max() < 0.1
+
+
+def test_estimates_forget_old_acceptance():
+    """Acceptance falls from 0.9 to 0.2 for rows drafting 2: within four windows (1/alpha tries each) the
+    first position, tried every step, follows, and so do the untried positions 2-3 (the pooled rate).
+    The window counts tries, so position 1, now reached one step in five, forgets more slowly."""
+    rng = np.random.default_rng(2)
+    est = AcceptanceEstimates(K)
+    for rate in (0.9, 0.2):
+        for _ in range(int(4 / est.alpha)):
+            accepted = np.cumprod(rng.random(2) < rate).sum()
+            est.observe(np.array([ANSWER]), np.array([2]), np.array([accepted]))
+        assert abs(est.rates[ANSWER, 0] - rate) < 0.1
+        assert np.abs(est.rates[ANSWER, 2:] - rate).max() < 0.15
+    assert est.rates[ANSWER, 1] > est.rates[ANSWER, 0]  # still weighs its 0.9-era tries
 
 
 def test_choice_follows_acceptance_per_group():
@@ -144,11 +218,13 @@ def test_overhead_is_learned_per_window():
 
 
 def test_probing_recovers_a_pessimistic_estimate():
-    """Acceptance is really 0.9 but the estimates start at 0: the chooser drafts nothing, probes one
-    token every PROBE_PERIOD steps, and climbs to K."""
+    """Acceptance is really 0.9 but the estimates learnt 0 (a window of rejected drafts): the chooser
+    drafts nothing, probes one token every PROBE_PERIOD steps, and climbs to K."""
     rng = np.random.default_rng(0)
     chooser = AdaptiveDraftLength(K, _costs())
-    chooser.estimates.rates[:] = 0.0
+    for _ in range(int(5 / chooser.estimates.alpha)):
+        chooser.observe(np.full(4, THINKING), np.full(4, K), np.zeros(4, dtype=np.int64))
+    assert chooser.estimates.rates[THINKING].max() < 0.05
     counts = np.array([0, 4, 0])
     first = chooser.choose(counts)[THINKING]
     ks = []
