@@ -96,6 +96,17 @@ def cost_model(result: dict, k_max: int) -> StepCostModel:
     return StepCostModel(k_max, sorted(int(b) for b in result["cost_model"]), table)
 
 
+def profile_shares(text: str, k_max: int) -> list[float]:
+    """[K] a profile's shares a_i from comma-separated conditional rates c_1, c_2, ... (--thinking-rates,
+    --answer-rates; the last one repeats up to K): a_i = c_1 ... c_i. Raises ValueError on a rate
+    outside [0, 1] or an empty list."""
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or not all(0.0 <= r <= 1.0 for r in rates):
+        raise ValueError(f"conditional rates in [0, 1] needed, got {text!r}")
+    rates = (rates + rates[-1:] * k_max)[:k_max]
+    return np.cumprod(rates).tolist()
+
+
 def conditional_rates(shares: list[float]) -> np.ndarray:
     """[K] c_i = a_i / a_{i-1} from the profile's shares a_i of rounds accepting draft i."""
     full = np.array([1.0, *shares])
@@ -314,6 +325,10 @@ def main() -> None:
                     help="the chooser counts every row alike, not by the tokens it has left")  # fmt: skip
     ap.add_argument("--draws", choices=DRAWS, default="step",
                     help="token: one draw per row and output position, as on the device")  # fmt: skip
+    ap.add_argument("--thinking-rates", default=None, metavar="C1,C2,...",
+                    help="thinking rows' acceptance per draft position (default: the JSON's)")  # fmt: skip
+    ap.add_argument("--answer-rates", default=None, metavar="C1,C2,...",
+                    help="the same for answer rows")  # fmt: skip
     ap.add_argument("--oracle", action="store_true",
                     help="also the chooser told the profile's true rates (a perfect estimate)")  # fmt: skip
     ap.add_argument("--out", default=None)
@@ -328,6 +343,13 @@ def main() -> None:
         settings[name] = float(value)
     result = json.loads(Path(args.result).read_text())
     k_max = result["k_max"]
+    for phase in ("thinking", "answer"):
+        text = getattr(args, f"{phase}_rates")
+        if text is not None:
+            try:
+                result["profiles"]["good"][phase] = profile_shares(text, k_max)
+            except ValueError as e:
+                ap.error(f"--{phase}-rates: {e}")
     batches = sorted({r["batch"] for r in result["rows"]})
     if args.batch_sizes:
         batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -362,9 +384,13 @@ def main() -> None:
                 "best_phase_ks_over_plain": pairs[pair] / tok["plain"]} if pair else {}),
             **({"oracle_over_best": tok["oracle"] / max(tok["plain"], fixed[best]),
                 "adaptive_over_oracle": tok["adaptive"] / tok["oracle"]} if args.oracle else {}),
+            # per seed, for paired comparisons between runs of other trees or settings on the same draws
+            "per_seed": {name: [t[name] for t in per_seed] for name in ("plain", "adaptive", "oracle")
+                         if name in per_seed[0]},
         })  # fmt: skip
     out = {"source": Path(args.result).name, "runs": args.runs, "seeds": args.seeds, "settings": settings,
            "switch_ms": args.switch_ms, "shared_chooser": args.shared, "draws": args.draws,
+           "profile": {p: result["profiles"]["good"][p] for p in ("thinking", "answer")},
            "rows": table}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

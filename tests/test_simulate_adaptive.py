@@ -180,3 +180,32 @@ def test_oracle_chooser_keeps_the_true_rates():
     assert np.array_equal(policy.estimates.rates, truth)
     tok = sim.simulate(result, 1, K, runs=2, seed=0, phase_grid=True, draws="token", with_oracle=True)
     assert tok["oracle"] > 0.97 * tok["k=3/0"] and tok["oracle"] > tok["k=3"]
+
+
+def test_rates_override_and_per_seed_figures(tmp_path):
+    """--thinking-rates / --answer-rates replace the JSON's good profile (conditional rates, the last
+    one repeated up to K); the output records the profile used and each seed's tok/s, so that two runs
+    on the same draws (other trees or settings) compare seed by seed."""
+    assert sim.profile_shares("0.5,1.0", K) == pytest.approx([0.5, 0.5, 0.5])
+    assert sim.profile_shares("0.9", K) == pytest.approx([0.9, 0.81, 0.729])
+    for bad in ("", "0.5,1.5", "-0.1"):
+        with pytest.raises(ValueError, match="conditional rates in"):
+            sim.profile_shares(bad, K)
+    src = tmp_path / "result.json"
+    src.write_text(json.dumps(_result(5.0, 0.5, [5.5, 6.0, 6.5], 0.8)))
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "benchmarks/simulate_adaptive.py", str(src), "--batch-sizes", "1", "--runs", "1",
+           "--seeds", "3", "--draws", "token", "--oracle", "--thinking-rates", "0.9,0.6",
+           "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["profile"]["thinking"] == pytest.approx([0.9, 0.54, 0.324])
+    assert result["profile"]["answer"] == pytest.approx([0.8, 0.64, 0.512])  # the JSON's
+    assert result["draws"] == "token"
+    row = result["rows"][0]
+    assert set(row["per_seed"]) == {"plain", "adaptive", "oracle"} and len(row["per_seed"]["adaptive"]) == 3
+    assert np.mean(row["per_seed"]["adaptive"]) == pytest.approx(row["tok_per_s"]["adaptive"])
+    bad = subprocess.run([*cmd[:3], "--answer-rates", "2"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--answer-rates: conditional rates in [0, 1] needed" in bad.stderr
