@@ -32,7 +32,10 @@ bench_adaptive.py (and its least over the seeds). --set NAME=VALUE changes a con
 draft T, answer rows A) and reports the best: what a chooser that knew each phase's best k from the
 start would give, the ceiling of any choice on these step times. --oracle also runs "oracle": the
 chooser told the profile's true conditional rates, which it never updates (what a perfect acceptance
-estimate would give; it still probes and learns its overheads).
+estimate would give; it still probes and learns its overheads). --thinking-rates / --answer-rates
+replace the JSON's good profile by conditional rates per draft position (acceptance that falls or
+rises along the window). The output JSON keeps each seed's tok/s: runs of two trees on the same
+seeds and draws compare seed by seed.
 
     python3 benchmarks/simulate_adaptive.py \
         benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json --seeds 8 --runs 5 \
