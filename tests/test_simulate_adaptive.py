@@ -19,6 +19,17 @@ import simulate_adaptive as sim  # noqa: E402
 K = 3
 
 
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """benchmarks/simulate_adaptive.py run with args from the repository root (exit 0 asserted when
+    check)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "benchmarks/simulate_adaptive.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def _result(plain_ms: float, draft_ms: float, k_ms: list[float], rate: float) -> dict:
     """A bench_adaptive-shaped JSON: step times at batch 1 and 4 (the same per step), a graph-replay
     cost model that agrees with them, acceptance rate per position `rate` in both phases."""
@@ -79,12 +90,8 @@ def test_one_chooser_across_batch_sizes():
 def test_cli_on_a_measured_result(tmp_path):
     out = tmp_path / "sim.json"
     src = ROOT / "benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json"
-    cmd = [sys.executable, "benchmarks/simulate_adaptive.py", str(src), "--batch-sizes", "1,64",
-           "--runs", "1", "--seeds", "2", "--set", "MAX_STEP_WEIGHT=0.5", "--shared",
-           "--out", str(out)]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _cli(str(src), "--batch-sizes", "1,64", "--runs", "1", "--seeds", "2",
+                "--set", "MAX_STEP_WEIGHT=0.5", "--shared", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert (
         result["settings"] == {"MAX_STEP_WEIGHT": 0.5} and result["seeds"] == 2 and result["shared_chooser"]
@@ -99,9 +106,7 @@ def test_cli_on_a_measured_result(tmp_path):
     assert "simulated closed batch" in proc.stdout
     for r in rows:
         assert r["adaptive_over_best_min"] <= r["adaptive_over_best"] + 1e-9
-    bad = subprocess.run(
-        [*cmd[:3], "--set", "PRIOR_RATE=0.5"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    bad = _cli(str(src), "--set", "PRIOR_RATE=0.5", check=False)
     assert bad.returncode == 2 and "--set takes NAME=VALUE" in bad.stderr
 
 
@@ -194,12 +199,8 @@ def test_rates_override_and_per_seed_figures(tmp_path):
     src = tmp_path / "result.json"
     src.write_text(json.dumps(_result(5.0, 0.5, [5.5, 6.0, 6.5], 0.8)))
     out = tmp_path / "sim.json"
-    cmd = [sys.executable, "benchmarks/simulate_adaptive.py", str(src), "--batch-sizes", "1", "--runs", "1",
-           "--seeds", "3", "--draws", "token", "--oracle", "--thinking-rates", "0.9,0.6",
-           "--out", str(out)]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _cli(str(src), "--batch-sizes", "1", "--runs", "1", "--seeds", "3", "--draws", "token", "--oracle",
+         "--thinking-rates", "0.9,0.6", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert result["profile"]["thinking"] == pytest.approx([0.9, 0.54, 0.324])
     assert result["profile"]["answer"] == pytest.approx([0.8, 0.64, 0.512])  # the JSON's
@@ -207,5 +208,5 @@ def test_rates_override_and_per_seed_figures(tmp_path):
     row = result["rows"][0]
     assert set(row["per_seed"]) == {"plain", "adaptive", "oracle"} and len(row["per_seed"]["adaptive"]) == 3
     assert np.mean(row["per_seed"]["adaptive"]) == pytest.approx(row["tok_per_s"]["adaptive"])
-    bad = subprocess.run([*cmd[:3], "--answer-rates", "2"], cwd=ROOT, env=env, capture_output=True, text=True)
+    bad = _cli(str(src), "--answer-rates", "2", check=False)
     assert bad.returncode == 2 and "--answer-rates: conditional rates in [0, 1] needed" in bad.stderr
