@@ -341,6 +341,35 @@ def test_refresh_searches_ahead_of_the_choice_that_would_find_the_cache_old(monk
     assert len(searches) == 2
 
 
+def test_drain_weights_given_as_a_function_are_worked_out_only_for_a_search(monkeypatch):
+    """The engine hands the drain weights over as a function (reading every row's tokens left costs
+    host time before each step): the chooser calls it only when it searches, at a choice that finds
+    no fresh cached one and at a refresh that redoes the search, and the search weighs the groups
+    with what it returns, as with the weights given directly."""
+    calls, searched = [], []
+    direct = AdaptiveDraftLength(K, _costs())
+    lazy = AdaptiveDraftLength(K, _costs())
+    evaluate = lazy.evaluate
+    monkeypatch.setattr(lazy, "evaluate", lambda *args: (searched.append(args[3]), evaluate(*args))[1])
+
+    def weights() -> list[float]:
+        calls.append(1)
+        return [0.0, 3.5, 0.0]
+
+    counts = np.array([0, 16, 0])
+    for chooser in (direct, lazy):
+        chooser.estimates.rates[:] = 0.9
+        chooser.trace = []
+    assert np.array_equal(lazy.choose(counts, weights=weights), direct.choose(counts, weights=weights()))
+    assert len(calls) == 2 and searched == [[0.0, 3.5, 0.0]]
+    assert lazy.trace[0]["weights"] == direct.trace[0]["weights"] == {"thinking": 3.5}
+    for _ in range(REFRESH - 1):
+        lazy.choose(counts, weights=weights)  # the cached choice: no call
+    assert len(calls) == 2
+    lazy.refresh()  # the next choice would find it old: the search is redone now, with the weights
+    assert len(calls) == 3 and len(searched) == 2
+
+
 def test_the_chooser_learns_while_the_device_runs_the_next_step(monkeypatch):
     """A speculative step queues what it accepted; the next drafting step's chooser work (learning the
     queued windows and step times, and any search refresh) runs after its forwards are launched and
@@ -849,11 +878,12 @@ def test_engine_weighs_rows_by_what_they_have_left_only_while_no_request_waits(m
         chooser = llm.llm_engine.speculator.draft_length
         real = chooser.choose
         seen.clear()
-        monkeypatch.setattr(
-            chooser,
-            "choose",
-            lambda c, ctx=0, b=None, w=None, real=real: seen.append(w) or real(c, ctx, b, w),
-        )
+
+        def spy(c, ctx=0, b=None, w=None, real=real):  # the weights at the choice (w may work them out)
+            seen.append(w() if callable(w) else w)
+            return real(c, ctx, b, w)
+
+        monkeypatch.setattr(chooser, "choose", spy)
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 6)][:n]
         llm.generate([[72, 105, 33], [65, 66]], params, use_tqdm=False)
         if max_num_seqs == 2:  # both admitted at once: the batch drains from the first step

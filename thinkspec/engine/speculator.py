@@ -519,14 +519,15 @@ class Speculator:
         index, row_ks [R] of every decode row, 0 = a plain row), thinking [R] bool of every decode
         row, the decode rows' tokens summed: the context their attention reads, whether a drafting
         row's draft is more than CATCH_UP_WIDTH behind: the step first catches it up, a switch out
-        of plain decoding). Runs before every step, plain ones included: per row only a few
-        attribute reads unless its group drafts."""
+        of plain decoding). Runs before every step, plain ones included: per row a few attribute
+        reads unless its group drafts; a group's rows are checked for a draft that is behind until
+        one is (after plain steps, the first), and the tokens each row has left (the drain weights)
+        are read only when the chooser searches afresh."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
         thinking, groups, counts, context = [], [], [0] * len(GROUPS), 0
-        late, behind = [], [False] * len(GROUPS)  # per decode row / group: the draft is behind
+        behind = [False] * len(GROUPS)  # per group: a row's draft is behind
         draft = self.has_draft_model
-        left: list[int] | None = [] if self.draining else None  # tokens each row may still emit
         for i in decodes:
             seq = seqs[i]
             t = self.is_thinking(seq)
@@ -535,13 +536,14 @@ class Speculator:
             groups.append(g)
             counts[g] += 1
             context += seq.num_tokens
-            lag = draft and draft_behind(seq)
-            late.append(lag)
-            behind[g] = behind[g] or lag
-            if left is not None:
-                left.append(self.tokens_left(seq))
-        weights = drain_weights(groups, left) if left is not None else None
-        group_ks = self.draft_length.choose(counts, context, behind, weights).tolist()
+            if draft and not behind[g] and draft_behind(seq):
+                behind[g] = True
+
+        def weights() -> list[float]:
+            return drain_weights(groups, [self.tokens_left(seqs[i]) for i in decodes])
+
+        group_ks = self.draft_length.choose(counts, context, behind, weights if self.draining else None)
+        group_ks = group_ks.tolist()
         if not any(group_ks):  # the plain step: no row drafts, no caps to work out
             return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context, False
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
@@ -555,7 +557,7 @@ class Speculator:
         spec_index = [decodes[b] for b in chosen]
         choice = (spec_index, [row_list[b] for b in chosen], [groups[b] for b in chosen],
                   np.array(row_list, dtype=np.int64))  # fmt: skip
-        return choice, thinking, context, any(late[b] for b in chosen)
+        return choice, thinking, context, draft and any(draft_behind(seqs[i]) for i in spec_index)
 
     def _build_verify_batch(
         self,

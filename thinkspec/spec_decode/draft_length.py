@@ -76,6 +76,8 @@ REFRESH_PLAIN = 32
 # row of a batch of 64 after 256 plain steps is a 16k-token draft forward, ~8% of the time probed).
 PLAIN_PROBE_PERIOD = 256
 PLAIN_PROBE_ROWS = 4
+# [G] drain weights (see drain_weights), a function that works them out, or None (every row 1)
+Weights = list[float] | Callable[[], list[float]] | None
 
 
 def drain_weights(groups: list[int] | np.ndarray, left: list[int] | np.ndarray) -> list[float]:
@@ -172,7 +174,7 @@ class AdaptiveDraftLength:
         # drafts, choice number)
         self._cache: tuple[list[int], list[bool], np.ndarray, bool, int] | None = None
         self._context = 0  # the last choice's context (refresh redoes its search)
-        self._weights: list[float] | None = None  # and its weights
+        self._weights: Weights = None  # and its weights
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
         # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
@@ -187,13 +189,14 @@ class AdaptiveDraftLength:
         counts: np.ndarray | list[int],
         context: int = 0,
         behind: list[bool] | None = None,
-        weights: list[float] | None = None,
+        weights: Weights = None,
     ) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0),
         context tokens in all (their sequences' lengths summed); behind [G]: the group has rows whose
         draft must catch up first (plain steps ran; None: none); weights [G]: the group's rows
-        weighted by their share of the work left (see drain_weights; None: every row 1). A reused
-        all-plain choice takes the plain-Python path: it runs before every plain step."""
+        weighted by their share of the work left (see drain_weights; None: every row 1), or a
+        function giving them, called only when the choice is searched afresh. A reused all-plain
+        choice takes the plain-Python path: it runs before every plain step."""
         behind = behind or [False] * len(GROUPS)
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
@@ -230,9 +233,11 @@ class AdaptiveDraftLength:
             self._search(key, self._context, behind, self._weights)
 
     def _search(
-        self, key: list[int], context: int, behind: list[bool], weights: list[float] | None = None
+        self, key: list[int], context: int, behind: list[bool], weights: Weights = None
     ) -> np.ndarray:
         """The best ks [P] of the groups present for counts key [G] (cached as made at this choice)."""
+        if callable(weights):
+            weights = weights()
         self.costs.ensure(sum(key))
         grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind, weights)
         rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
