@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from script_env import ENV, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-# The script runs from benchmarks/, so without this it would import whichever thinkspec is installed.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 K_MAX = 2
 
 

@@ -192,15 +192,11 @@ def test_stream_costs_one_step_and_no_python_decode_per_token(monkeypatch):
 def test_bench_detokenize_smoke(tmp_path):
     # benchmarks/bench_detokenize.py runs and both paths agree (it asserts so); figures in BENCHMARKS.md
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    )
+    from script_env import ENV, ROOT
+
     out = tmp_path / "detok.json"
     cmd = [
         sys.executable,
@@ -212,7 +208,7 @@ def test_bench_detokenize_smoke(tmp_path):
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["window_us_per_token"] > 0 and result["stream_us_per_token"] > 0

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-# The scripts run from benchmarks/, so without this they would import whichever thinkspec is
-# installed instead of this checkout's.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+from script_env import ENV, ROOT
 
 
 @pytest.mark.parametrize("spec", [0, 2], ids=["plain", "spec"])

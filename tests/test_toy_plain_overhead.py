@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-# The script runs from benchmarks/, so without this it would import whichever thinkspec is installed.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+from script_env import ENV, ROOT
 
 
 def _run(*extra: str) -> subprocess.CompletedProcess:
