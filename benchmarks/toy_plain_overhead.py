@@ -8,6 +8,8 @@ once. This benchmark times the same greedy generate call in engines that differ 
   plain-parser            the target with the qwen3 reasoning parser (the phase tracking of outputs)
   adaptive                target + draft, adaptive_k (K = --k-max), relaxed thinking, as bench_adaptive --toy
   adaptive-no-probe       the same, its probes out of plain decoding off (PLAIN_PROBE_PERIOD while it runs)
+  adaptive-fresh-pass     the same, every plain step taking the chooser's per-row pass (no streak of plain
+                          steps reusing the last choice: Speculator.reuse_streaks off)
   adaptive-no-bookkeeping the same engine with the chooser's per-step work replaced by "plain": no choice,
                           no step timing, no draft-length counts (needs async scheduling, which takes
                           the engine's own plain step)
@@ -46,6 +48,7 @@ MODES = (
     "plain-parser",
     "adaptive",
     "adaptive-no-probe",
+    "adaptive-fresh-pass",
     "adaptive-no-bookkeeping",
     "adaptive-no-speculator",
 )
@@ -69,7 +72,9 @@ def build(mode: str, args) -> LLM:
     }  # fmt: skip
     llm = LLM(target, speculative_config=spec, **kw)
     engine = llm.llm_engine
-    if mode == "adaptive-no-bookkeeping":
+    if mode == "adaptive-fresh-pass":
+        engine.speculator.reuse_streaks = False
+    elif mode == "adaptive-no-bookkeeping":
         if not engine.async_scheduling:
             raise SystemExit("adaptive-no-bookkeeping needs async scheduling (CUDA, or --engine-args)")
         spec_ = engine.speculator

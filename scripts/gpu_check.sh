@@ -18,6 +18,9 @@
 #               ADAPTIVE_ARGS replace its defaults (e.g. "--batch-sizes 1,16 --fixed-ks 2,4,6 --repeats 1");
 #               the bundled toy pair with real, relaxed acceptance (adaptive vs the best fixed k):
 #               ADAPTIVE_ARGS="--toy --batch-sizes 1,16,64 --repeats 3"
+#   overhead    what a speculating engine's plain steps cost on the host-bound toy pair, mode by mode against
+#               plain decoding (benchmarks/toy_plain_overhead.py; OVERHEAD_ARGS, e.g. "--batch-sizes 1,16,64
+#               --modes plain,adaptive,adaptive-fresh-pass,adaptive-no-bookkeeping")
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
@@ -120,6 +123,12 @@ if has adaptive; then
   timeout "${ADAPTIVE_TIMEOUT:-480}" $PY benchmarks/bench_adaptive.py --out "$OUT/adaptive.json" \
     ${ADAPTIVE_ARGS:---repeats 2} 2>&1 | grep -v 'it/s]' | tee "$OUT/adaptive.log"
   record adaptive "${PIPESTATUS[0]}" "${ADAPTIVE_TIMEOUT:-480}"
+fi
+
+if has overhead; then
+  timeout "${OVERHEAD_TIMEOUT:-400}" $PY benchmarks/toy_plain_overhead.py --out "$OUT/overhead.json" \
+    ${OVERHEAD_ARGS:-} 2>&1 | grep -v 'it/s]' | tee "$OUT/overhead.log"
+  record overhead "${PIPESTATUS[0]}" "${OVERHEAD_TIMEOUT:-400}"
 fi
 
 if has long; then

@@ -892,3 +892,157 @@ def test_engine_weighs_rows_by_what_they_have_left_only_while_no_request_waits(m
             assert sum(first) == pytest.approx(1 + 5 / 11)
         else:  # the second request waits while the first runs, then drains alone
             assert seen[0] is None and seen[-1] is not None
+
+
+_THINK = 80  # output tokens in the thinking phase (_plain_streak_run)
+
+
+def _plain_streak_run(monkeypatch, reuse: int, async_scheduling: bool, n: int = 1, max_num_seqs: int = 8):
+    """A CPU run where drafts are never accepted (the engine decodes plainly once it learns that) and
+    the synthetic profile's phase turns from thinking to answer at _THINK output tokens; probes out of
+    plain decoding every 16th choice. Returns (outputs, each finished request's counters as its
+    output first gave them, the speculator, the chooser's timing samples without their wall time,
+    _choose's calls)."""
+    from thinkspec.engine.speculator import Speculator
+    from thinkspec.spec_decode import draft_length
+
+    monkeypatch.setattr(draft_length, "PLAIN_PROBE_PERIOD", 16)
+    target = tiny_checkpoint("qwen3", tied=True)
+    profile = {"thinking": [0.0] * K, "answer": [0.0] * K, "thinking_tokens": _THINK}
+    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile,
+           "adaptive_k": True}  # fmt: skip
+    llm = LLM(
+        target, device="cpu", async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+        speculative_config=cfg,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    spec = engine.speculator
+    spec.reuse_streaks = bool(reuse)
+    chooser = spec.draft_length
+    chooser.trace = []
+    samples = []  # device model only: the wall times differ from run to run
+    chooser.observe_time = lambda row_ks, ms, context: samples.append((row_ks.tolist(), context))
+    chooser.observe_switch = lambda row_ks, ms, context: samples.append(("switch", row_ks.tolist(), context))
+    calls = []
+    choose = Speculator._choose
+    monkeypatch.setattr(Speculator, "_choose", lambda self, *a: calls.append(1) or choose(self, *a))
+    first_read = {}  # request id -> its counters when its finished output was made
+    make_output = engine.make_output
+
+    def reading(seq):
+        out = make_output(seq)
+        if out.finished:
+            first_read[out.request_id] = out.metrics.spec_decode.to_dict()
+        return out
+
+    engine.make_output = reading
+    # [9]: a one-token prompt, admitted (max_num_seqs 2) when the second request finishes, both thinking
+    prompts = [[72, 105, 33], [65, 66], [9], [1, 2, 3, 4], [40, 41], [7, 8, 9]]
+    lengths = (100, 60, 85, 44, 90, 52)  # plain steps from about the 30th step on
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, n=n) for m in lengths]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, first_read, spec, samples, len(calls)
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 2])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_plain_streaks_reuse_the_choice_as_a_fresh_pass_would_make_it(
+    monkeypatch, async_scheduling, max_num_seqs
+):
+    """A plain step over the same rows as the one before takes the chooser's cached plain choice without
+    the per-row pass, and counts its rows' draft lengths when their outputs are read: the same tokens,
+    choices, probes, timing samples and per-request histograms as when every step takes the pass. With
+    max_num_seqs 2, finished rows make room for waiting requests, one of whose prompts is one token."""
+    runs = [_plain_streak_run(monkeypatch, r, async_scheduling, max_num_seqs=max_num_seqs) for r in (0, 1)]
+    (outs_a, read_a, spec_a, samples_a, calls_a), (outs_b, read_b, spec_b, samples_b, calls_b) = runs
+    assert calls_b < 0.7 * calls_a  # most plain steps reused the choice
+    assert [o.outputs[0].token_ids for o in outs_a] == [o.outputs[0].token_ids for o in outs_b]
+    assert samples_a == samples_b and len(samples_a) > 50
+    trace_a, trace_b = spec_a.draft_length.trace, spec_b.draft_length.trace
+    assert [(t["choice"], t["counts"], t["ks"], t["context"]) for t in trace_a] == [
+        (t["choice"], t["counts"], t["ks"], t["context"]) for t in trace_b
+    ]
+    assert spec_a.draft_length.num_choices == spec_b.draft_length.num_choices
+    assert spec_a.metrics.to_dict() == spec_b.metrics.to_dict()
+    assert spec_b.metrics.total.num_draft_tokens > 0  # probes drafted
+    assert read_a == read_b and len(read_b) == len(outs_b)
+    assert spec_b._streak is None  # idle: the engine let go of the streak's rows
+    for out in outs_b:
+        assert read_b[out.request_id] == out.metrics.spec_decode.to_dict()  # complete when first read
+        # every decode step emitted one token (nothing is accepted): the request's first token came
+        # from its prefill, each later one from a step counted in the phase it was planned in
+        hist = out.metrics.spec_decode
+        emitted = len(out.outputs[0].token_ids)
+        assert sum(hist.thinking.draft_length_histogram) == min(emitted, _THINK) - 1
+        assert sum(hist.answer.draft_length_histogram) == max(emitted - _THINK, 0)
+
+
+def test_plain_streak_counts_reach_each_completion_of_a_parallel_request(monkeypatch):
+    """n = 2: the request's output merges its completions' counts, each settled when it is read."""
+    outs, read, _, _, _ = _plain_streak_run(monkeypatch, True, True, n=2)
+    for out in outs:
+        assert read[out.request_id] == out.metrics.spec_decode.to_dict()
+        m = out.metrics.spec_decode
+        steps = sum(len(c.token_ids) - 1 for c in out.outputs)
+        assert sum(m.thinking.draft_length_histogram) + sum(m.answer.draft_length_histogram) == steps
+
+
+def test_choose_plain_again_reuses_only_what_choose_would():
+    """The cached plain choice is taken again while fresh, never on a probe's choice, never in place of
+    a drafting choice; a refusal changes nothing (choose then searches or probes as ever)."""
+    from thinkspec.spec_decode import draft_length
+
+    counts = np.array([0, 16, 0])
+    drafting = AdaptiveDraftLength(K, _costs())
+    assert not drafting.choose_plain_again(100)  # nothing chosen yet
+    drafting.estimates.rates[:] = 0.9
+    assert drafting.choose(counts)[THINKING] > 0
+    assert not drafting.choose_plain_again(100) and drafting.num_choices == 1  # the cached choice drafts
+    chooser, twin = AdaptiveDraftLength(K, _costs()), AdaptiveDraftLength(K, _costs())  # twin: choose alone
+    searches = []
+    for c in (chooser, twin):
+        c.estimates.rates[:] = 0.0
+        c.choose(counts)
+    evaluate = chooser.evaluate
+    chooser.evaluate = lambda *args: (searches.append(1), evaluate(*args))[1]
+    reused = []
+    for _ in range(draft_length.PLAIN_PROBE_PERIOD + 2):
+        again = chooser.choose_plain_again(200)
+        ks = np.zeros(len(GROUPS), dtype=np.int64) if again else chooser.choose(counts, 200)
+        assert np.array_equal(ks, twin.choose(counts, 200)) and chooser.num_choices == twin.num_choices
+        assert chooser.probe_rows == twin.probe_rows
+        reused.append(again)
+    # refused: each choice that searches (every REFRESH_PLAIN-th: no refresh between) and the probe's
+    refused = [n for n, again in enumerate(reused, start=2) if not again]
+    probe = draft_length.PLAIN_PROBE_PERIOD
+    assert refused == sorted({*range(1 + REFRESH_PLAIN, probe + 4, REFRESH_PLAIN), probe})
+    assert len(searches) == len(refused) - 1  # the probe reused the search
+
+
+def test_a_streak_is_left_when_a_row_stops_decoding():
+    """The same rows, but one of them feeding a chunk or sampling nothing: the per-row pass runs again
+    and the step is no plain decode step."""
+    from thinkspec.engine.sequence import Sequence
+
+    target = tiny_checkpoint("qwen3", tied=True)
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
+    spec = LLM(target, device="cpu", speculative_config=cfg).llm_engine.speculator
+    spec.draft_length.estimates.rates[:] = 0.0  # plain steps
+    seqs = []
+    for i in range(3):
+        seq = Sequence(str(i), [1, 2, 3], SamplingParams(temperature=0, max_tokens=64))
+        seq.token_ids += [4] * 8  # decoding, its draft 8 tokens behind
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seqs.append(seq)
+    calls = []
+    choose = spec._choose
+    spec._choose = lambda *a: calls.append(1) or choose(*a)
+    assert spec.plan(seqs, [1, 1, 1], [True] * 3)
+    spec.record_plan()
+    assert spec.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 1  # reused
+    spec.record_plan()
+    assert not spec.plan(seqs, [1, 4, 1], [True] * 3) and len(calls) == 2
+    spec.record_plan()
+    assert spec.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 3  # a new streak
+    spec.record_plan()
+    assert not spec.plan(seqs, [1, 1, 1], [True, False, True]) and len(calls) == 4

@@ -417,6 +417,9 @@ class LLMEngine:
         parent = self._parents.get(seq.parent_id) if seq.parent_id is not None else None
         seqs = parent.seqs if parent is not None else [seq]
         finished = all(s.is_finished for s in seqs)
+        if self._adaptive:  # counts of plain steps that wait in the speculator (Speculator.settle)
+            for s in seqs:
+                self.speculator.settle(s)
         metrics = parent.metrics() if parent is not None else seq.metrics
         if parent is not None and finished:
             del self._parents[parent.request_id]

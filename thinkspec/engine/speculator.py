@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -155,17 +156,47 @@ class HostPack:
         )
 
 
+# a step's draft lengths (Speculator._choose): (spec_index [S], max_drafts [S], GROUPS index [S] of the
+# rows that draft, row_ks [R] of every decode row)
+_Choice = tuple[list[int], list[int], list[int], np.ndarray]
+
+
 @dataclass(slots=True)
 class _Plan:
     """adaptive_k: the draft lengths chosen for the step about to run (Speculator.plan)."""
 
-    seq_ids: list[int]  # id() of the scheduled sequences it was made for, in order
+    seqs: list[Sequence]  # the scheduled sequences it was made for, in order
     decodes: list[Sequence]  # the decode rows
-    choice: tuple[list[int], list[int], list[int], np.ndarray]  # Speculator._choose's
+    choice: _Choice
     thinking: list[bool]  # [R] the phase each decode row's choice was made for
     context: int  # tokens of the decode rows' sequences, summed (what their attention reads)
     timed: tuple[float, int] | None  # (start, builds then) when the step is a timing sample
     switch: bool  # it drafts while the draft model is behind: its time is the switch cost's sample
+    streak: bool = False  # a plain step of Speculator._streak: its rows are counted there
+
+
+@dataclass(slots=True)
+class _Streak:
+    """adaptive_k: plain decode steps (every row k = 0) over the same scheduled rows. Their per-request
+    draft-length counts wait here: row i has had plain_steps - starts[i] plain steps not yet in its
+    histogram (Speculator.settle). While the choice may be reused (reusable), a step of the same rows
+    in the same phases takes it without the per-row pass of _choose (Speculator._plan_again)."""
+
+    seqs: list[Sequence]  # [R] the scheduled rows, all decoding, in order
+    thinking: list[bool]  # [R] each row's phase
+    groups: list[int]  # [R] GROUPS index of each row
+    starts: list[int]  # [R] Speculator._plain_steps when row i was last counted
+    index: dict[int, int]  # id(seq) -> its row
+    # no per-row pass needed to reuse the choice: the adaptive chooser, and every group present has a
+    # row whose draft is behind (plain steps only put it further behind), or there is no draft model
+    reusable: bool
+    choice: _Choice  # the plain choice: row_ks zeros [R]
+    ones: list[int] = field(init=False)  # [R] 1s: each row's new tokens in a decode step
+    trues: list[bool] = field(init=False)  # [R] True: each row samples
+
+    def __post_init__(self) -> None:
+        self.ones = [1] * len(self.seqs)
+        self.trues = [True] * len(self.seqs)
 
 
 _MASK64 = (1 << 64) - 1
@@ -214,6 +245,17 @@ def _decode_rows(seqs: list[Sequence], num_new: list[int], sample_mask: list[boo
     ]
 
 
+def _request_metrics(seq: Sequence) -> SpecDecodeMetrics:
+    """seq's per-request speculative counters (made at first use)."""
+    metrics = seq.metrics.spec_decode
+    if metrics is None:
+        metrics = seq.metrics.spec_decode = SpecDecodeMetrics()
+    return metrics
+
+
+_TOKEN_IDS = attrgetter("token_ids")
+
+
 def _budget(params) -> int:
     """thinking_token_budget as an int for the device, -1 = none."""
     return -1 if params.thinking_token_budget is None else min(params.thinking_token_budget, 2**53)
@@ -224,6 +266,9 @@ class Speculator:
     # schedules each step): the chooser then weighs rows by the tokens they may still emit
     # (draft_length.drain_weights)
     draining = False
+    # adaptive_k: a plain step over the same rows as the plain step before it reuses that choice without
+    # the per-row pass (_plan_again); False makes every step take the pass (tests compare the two)
+    reuse_streaks = True
 
     def __init__(
         self,
@@ -265,6 +310,8 @@ class Speculator:
         # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
         self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
+        self._streak: _Streak | None = None  # the plain steps running over the same rows (adaptive_k)
+        self._plain_steps = 0  # plain steps of streaks so far (_Streak.starts counts from it)
         # adaptive_k: what the chooser has still to learn, oldest first, as (its method, arguments):
         # observe_time / observe_switch (row_ks, wall ms, context) of a timed step, observe (groups,
         # num_drafts, num_accepted) of a step's windows. Learnt while the device runs the next
@@ -328,36 +375,131 @@ class Speculator:
         now = time.perf_counter()
         builds = self._num_builds()
         self._time_last_step(now, builds)
+        if self._streak is not None:
+            if self._plan_again(self._streak, seqs, num_new, sample_mask, (now, builds)):
+                return True
+            self._end_streak()
         decodes = _decode_rows(seqs, num_new, sample_mask)
         decodes_only = len(decodes) == len(seqs)
-        choice, thinking, context, switch = self._choose(seqs, decodes)
-        if decodes_only and not choice[0]:
+        choice, thinking, context, switch, groups, behind = self._choose(seqs, decodes)
+        plain = decodes_only and not choice[0]
+        if plain:
             self.learn()  # a plain step: its host time is mostly hidden (async), the chooser learns now
+            self._start_streak(seqs, thinking, groups, behind, choice)
         # A step whose draft first catches up over many tokens (after plain steps) samples the switch
         # cost, not the steady step's.
         timed = (now, builds) if decodes_only else None
         self._plan = _Plan(
-            [id(s) for s in seqs], [seqs[i] for i in decodes], choice, thinking, context, timed, switch
+            list(seqs), [seqs[i] for i in decodes], choice, thinking, context, timed, switch, plain
         )
-        return decodes_only and not choice[0]
+        return plain
 
-    def record_plan(self) -> tuple[list[int], list[int], list[int], np.ndarray]:
+    def _plan_again(
+        self,
+        streak: _Streak,
+        seqs: list[Sequence],
+        num_new: list[int],
+        sample_mask: list[bool],
+        timed: tuple[float, int],
+    ) -> bool:
+        """Plan the plain step again without the per-row pass when nothing it depends on can have
+        changed: the same rows (compared by identity), each decoding, each in the phase it had, the
+        groups' draft still behind (it only falls further behind), and the chooser reusing its plain
+        choice for the same counts (no search or probe due: AdaptiveDraftLength.choose_plain_again)."""
+        if not (
+            self.reuse_streaks and streak.reusable and seqs == streak.seqs
+            and num_new == streak.ones and sample_mask == streak.trues
+        ):  # fmt: skip
+            return False
+        thinking = self._phases(seqs)
+        if thinking != streak.thinking:
+            return False
+        context = sum(map(len, map(_TOKEN_IDS, seqs)))
+        weights = self._drain_weights(streak.groups, seqs, range(len(seqs)))
+        chooser = self.draft_length
+        assert isinstance(chooser, AdaptiveDraftLength)
+        if not chooser.choose_plain_again(context, weights):
+            return False
+        self.learn()
+        self._plan = _Plan(streak.seqs, streak.seqs, streak.choice, thinking, context, timed, False, True)
+        return True
+
+    def _start_streak(
+        self,
+        seqs: list[Sequence],
+        thinking: list[bool],
+        groups: list[int],
+        behind: list[bool],
+        choice: _Choice,
+    ) -> None:
+        """A plain step over seqs (all decoding; thinking, groups [R] and behind [G] as _choose found
+        them) starts a streak: see _Streak."""
+        reusable = isinstance(self.draft_length, AdaptiveDraftLength) and (
+            not self.has_draft_model or all(behind[g] for g in groups)
+        )
+        n = self._plain_steps
+        self._streak = _Streak(
+            list(seqs), thinking, groups, [n] * len(seqs), {id(s): i for i, s in enumerate(seqs)},
+            reusable, choice,
+        )  # fmt: skip
+
+    def _end_streak(self) -> None:
+        """Count the streak's plain steps into each of its rows' per-request histograms."""
+        streak, self._streak = self._streak, None
+        if streak is None:
+            return
+        n = self._plain_steps
+        for seq, t, start in zip(streak.seqs, streak.thinking, streak.starts):
+            if n > start:
+                _request_metrics(seq).count_draft_length(0, t, n - start)
+
+    def settle(self, seq: Sequence) -> None:
+        """Bring seq's per-request draft-length counts up to date (before its output is read)."""
+        streak = self._streak
+        i = streak.index.get(id(seq)) if streak is not None else None
+        if i is None:
+            return
+        assert streak is not None
+        n = self._plain_steps - streak.starts[i]
+        if n > 0:
+            _request_metrics(seq).count_draft_length(0, streak.thinking[i], n)
+            streak.starts[i] = self._plain_steps
+
+    def _drain_weights(
+        self, groups: list[int], seqs: list[Sequence], rows: list[int] | range
+    ) -> Callable[[], list[float]] | None:
+        """While the batch drains, a function giving the drain weights of seqs' rows (GROUPS index
+        groups [R] each), worked out only if the chooser searches; None otherwise (every row 1)."""
+        if not self.draining:
+            return None
+        return lambda: drain_weights(groups, [self.tokens_left(seqs[i]) for i in rows])
+
+    def _phases(self, seqs: list[Sequence]) -> list[bool]:
+        """[R] is_thinking of each of seqs."""
+        profile = self.config.synthetic_acceptance_profile
+        if profile is None:
+            return [s.thinking for s in seqs]
+        limit = profile["thinking_tokens"]
+        return [s.num_output_tokens < limit for s in seqs]
+
+    def record_plan(self) -> _Choice:
         """The planned step runs: count its draft lengths (engine and per request) and time it at
         the next plan. Returns the plan's choice (see _choose)."""
         plan, self._plan = self._plan, None
         assert plan is not None
         row_ks = plan.choice[3]
-        if plan.choice[0]:
-            self.metrics.observe_draft_lengths(row_ks, np.array(plan.thinking, dtype=bool))
-            ks = row_ks.tolist()
-        else:  # the plain step (every row 0): no numpy on this path, it runs before every plain step
+        if plan.streak:  # a plain step of the streak: per request, its rows are counted there
             self.metrics.observe_plain_rows(sum(plan.thinking), len(plan.thinking))
-            ks = [0] * len(plan.decodes)
-        for seq, k, t in zip(plan.decodes, ks, plan.thinking):
-            metrics = seq.metrics.spec_decode
-            if metrics is None:
-                metrics = seq.metrics.spec_decode = SpecDecodeMetrics()
-            metrics.count_draft_length(k, t)
+            self._plain_steps += 1
+        else:
+            if plan.choice[0]:
+                self.metrics.observe_draft_lengths(row_ks, np.array(plan.thinking, dtype=bool))
+                ks = row_ks.tolist()
+            else:
+                self.metrics.observe_plain_rows(sum(plan.thinking), len(plan.thinking))
+                ks = [0] * len(plan.decodes)
+            for seq, k, t in zip(plan.decodes, ks, plan.thinking):
+                _request_metrics(seq).count_draft_length(k, t)
         self._last_step = None if plan.timed is None else (*plan.timed, row_ks, plan.context, plan.switch)
         return plan.choice
 
@@ -365,6 +507,7 @@ class Speculator:
         """The engine ran out of work: the time until its next step is no step's; what the chooser has
         still to learn it learns now."""
         self._last_step = None
+        self._end_streak()
         self.learn()
 
     def learn(self) -> None:
@@ -429,7 +572,7 @@ class Speculator:
         choice = None
         if self.draft_length is not None:
             plan = self._plan
-            if plan is None or plan.seq_ids != [id(s) for s in seqs]:
+            if plan is None or plan.seqs != seqs:
                 self.plan(seqs, num_new, sample_mask)
             choice = self.record_plan()
             spec_index, max_drafts = choice[0], choice[1]
@@ -513,16 +656,17 @@ class Speculator:
 
     def _choose(
         self, seqs: list[Sequence], decodes: list[int]
-    ) -> tuple[tuple[list[int], list[int], list[int], np.ndarray], list[bool], int, bool]:
+    ) -> tuple[_Choice, list[bool], int, bool, list[int], list[bool]]:
         """adaptive_k: the draft length of every decode row (its group's choice, capped by the room
         the request has left). Returns ((spec_index: rows that draft, their max_drafts, their GROUPS
         index, row_ks [R] of every decode row, 0 = a plain row), thinking [R] bool of every decode
         row, the decode rows' tokens summed: the context their attention reads, whether a drafting
         row's draft is more than CATCH_UP_WIDTH behind: the step first catches it up, a switch out
-        of plain decoding). Runs before every step, plain ones included: per row a few attribute
-        reads unless its group drafts; a group's rows are checked for a draft that is behind until
-        one is (after plain steps, the first), and the tokens each row has left (the drain weights)
-        are read only when the chooser searches afresh."""
+        of plain decoding, groups [R]: each decode row's GROUPS index, behind [G]: per group whether a
+        row's draft is behind). Runs before every step but the plain steps a streak reuses its choice
+        for (_plan_again): per row a few attribute reads unless its group drafts; a group's rows are
+        checked for a draft that is behind until one is (after plain steps, the first), and the
+        tokens each row has left (the drain weights) are read only when the chooser searches afresh."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
         thinking, groups, counts, context = [], [], [0] * len(GROUPS), 0
@@ -538,14 +682,12 @@ class Speculator:
             context += seq.num_tokens
             if draft and not behind[g] and draft_behind(seq):
                 behind[g] = True
-
-        def weights() -> list[float]:
-            return drain_weights(groups, [self.tokens_left(seqs[i]) for i in decodes])
-
-        group_ks = self.draft_length.choose(counts, context, behind, weights if self.draining else None)
+        weights = self._drain_weights(groups, seqs, decodes)
+        group_ks = self.draft_length.choose(counts, context, behind, weights)
         group_ks = group_ks.tolist()
         if not any(group_ks):  # the plain step: no row drafts, no caps to work out
-            return ([], [], [], np.zeros(len(decodes), dtype=np.int64)), thinking, context, False
+            plain = ([], [], [], np.zeros(len(decodes), dtype=np.int64))
+            return plain, thinking, context, False, groups, behind
         row_list = [min(group_ks[g], self.max_drafts_for(seqs[i])) if group_ks[g] else 0
                     for g, i in zip(groups, decodes)]  # fmt: skip
         chosen = [b for b, k in enumerate(row_list) if k > 0]
@@ -557,7 +699,8 @@ class Speculator:
         spec_index = [decodes[b] for b in chosen]
         choice = (spec_index, [row_list[b] for b in chosen], [groups[b] for b in chosen],
                   np.array(row_list, dtype=np.int64))  # fmt: skip
-        return choice, thinking, context, draft and any(draft_behind(seqs[i]) for i in spec_index)
+        switch = draft and any(draft_behind(seqs[i]) for i in spec_index)
+        return choice, thinking, context, switch, groups, behind
 
     def _build_verify_batch(
         self,
@@ -730,9 +873,7 @@ class Speculator:
                 a = int(host.num_accepted[b])
                 tokens = host.tokens[b, : a + 1].tolist()
                 computed = seq.num_computed_tokens + 1 + a
-                if seq.metrics.spec_decode is None:
-                    seq.metrics.spec_decode = SpecDecodeMetrics()
-                seq.metrics.spec_decode.observe_step(step, b)
+                _request_metrics(seq).observe_step(step, b)
             draft = None
             if proposal.draft_computed is not None:  # the draft's K/V never runs past the target's
                 draft = min(proposal.draft_computed[i], computed)

@@ -222,6 +222,21 @@ class AdaptiveDraftLength:
                 self.probe_rows = PLAIN_PROBE_ROWS
         return ks
 
+    def choose_plain_again(self, context: int, weights: Weights = None) -> bool:
+        """The cached all-plain choice once more, as choose would give it for the counts and behind
+        flags it was made for (the caller knows they hold): True, counted as a choice, while it is
+        fresh and no probe falls on this choice; else False with nothing changed (call choose)."""
+        cache = self._cache
+        if cache is None or cache[3]:
+            return False
+        n = self.num_choices + 1
+        if n - cache[4] >= REFRESH_PLAIN or n % PLAIN_PROBE_PERIOD == 0:
+            return False
+        self.num_choices = n
+        self._context, self._weights = context, weights
+        self.probe_rows = None
+        return True
+
     def refresh(self) -> None:
         """Redo the last choice's grid search now (its counts, context and behind flags) when the next
         choose would find it too old: the engine calls this while the device runs a step, which takes

@@ -333,11 +333,11 @@ class SpecDecodeMetrics:
                 hist[0] += n
                 counters.draft_length_histogram = hist
 
-    def count_draft_length(self, k: int, thinking: bool) -> None:
-        """One row's choice (per-request metrics: one Python addition per row and step)."""
+    def count_draft_length(self, k: int, thinking: bool, n: int = 1) -> None:
+        """One row's choice, made n times (per-request metrics: one Python addition)."""
         hist = (self.thinking if thinking else self.answer).draft_length_histogram
         hist.extend([0] * (k + 1 - len(hist)))
-        hist[k] += 1
+        hist[k] += n
 
     def merge(self, other: SpecDecodeMetrics) -> SpecDecodeMetrics:
         self.thinking.merge(other.thinking)

@@ -152,6 +152,7 @@ class StepCostModel:
         self._round: dict[int, np.ndarray] = {}  # batch -> round_ms(batch), until the next add
         self._context: dict[int, np.ndarray] = {}  # batch -> context_ms(batch), ditto
         self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
+        self._rows: dict[int, int] = {}  # batch -> index of its bucket in buckets
         if not self.costs and measure is None:
             raise ValueError("StepCostModel needs costs or a way to measure them")
 
@@ -164,6 +165,13 @@ class StepCostModel:
     def bucket(self, batch: int) -> int:
         """The smallest bucket >= batch (the largest one beyond them all)."""
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
+
+    def _row(self, batch: int) -> int:
+        """Index of batch's bucket in buckets (cached: observe runs after every step)."""
+        row = self._rows.get(batch)
+        if row is None:
+            row = self._rows[batch] = self.buckets.index(self.bucket(batch))
+        return row
 
     def add(self, rows: Seq[StepCosts]) -> None:
         """Measured rows of one bucket, k = 0..K."""
@@ -203,7 +211,7 @@ class StepCostModel:
     def overhead_ms(self, batch: int) -> np.ndarray:
         """[K+1] learned ms per step beyond the modelled device time, by kmax, at batch's bucket
         (unmeasured entries filled as the module docstring says; 0 where nothing is measured)."""
-        row = self.buckets.index(self.bucket(batch))
+        row = self._row(batch)
         by_distance = self._by_distance[row]
         known = ~np.isnan(self.overhead)  # [buckets, K+1]
         out = np.zeros(self.k_max + 1)
@@ -223,7 +231,7 @@ class StepCostModel:
         a graph or measured costs). A step that compiled a kernel is an outlier too, and may be the
         first: an entry keeps the least of its first MIN_OF measurements, and after that a step
         moves it up by at most what twice the entry plus 1 ms would."""
-        row = self.buckets.index(self.bucket(batch))
+        row = self._row(batch)
         extra = max(measured_ms - modelled_ms, 0.0)
         cur, seen = float(self.overhead[row, kmax]), int(self.seen[row, kmax])  # Python scalars: per step
         if math.isnan(cur) or seen < MIN_OF:
