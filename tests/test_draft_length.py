@@ -469,7 +469,10 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
     outs = llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     # Every decode-only step but the last is a timing sample (steps that captured nothing: CPU).
-    assert len(timings) >= max_tokens // (K + 1) - 2 and all(ms > 0 and len(ks) == 2 for ks, ms, _ in timings)
+    # a plain step's rows come as their number, a drafting step's as their draft lengths
+    rows = [ks if isinstance(ks, int) else len(ks) for ks, _, _ in timings]
+    assert len(timings) >= max_tokens // (K + 1) - 2 and rows == [2] * len(rows)
+    assert all(ms > 0 for _, ms, _ in timings)
     # each sample's context: the two sequences' tokens (prompts of 3 and 2), growing step by step
     contexts = [c for _, _, c in timings]
     assert contexts[0] > 5 and contexts == sorted(contexts) and contexts[-1] <= 5 + 2 * max_tokens
@@ -612,6 +615,16 @@ def test_cost_model_measured_from_graph_replays_writes_no_kv():
     assert llm.generate(["Sam has 3 apples."], sp, use_tqdm=False)[0].outputs[0].token_ids == first
 
 
+def _kmax(row_ks: np.ndarray | int) -> int:
+    """The longest draft of a timing sample's rows (an int: a plain step's number of rows)."""
+    return 0 if isinstance(row_ks, int) else int(row_ks.max())
+
+
+def _rows(row_ks: np.ndarray | int) -> list[int]:
+    """A timing sample's draft lengths, row by row (an int: a plain step's number of rows)."""
+    return [0] * row_ks if isinstance(row_ks, int) else row_ks.tolist()
+
+
 def _context_costs(draft_ctx: float, verify_ctx: float) -> StepCostModel:
     """_costs() plus attention per token of context: draft_ctx per draft forward, verify_ctx per
     target forward and window token (so a width-(k+1) verify costs verify_ctx * (k + 1))."""
@@ -746,8 +759,8 @@ def test_engine_samples_the_switch_at_the_first_drafting_step_after_plain_steps(
         return choose(counts, context, late, weights)
 
     policy.choose = choosing
-    policy.observe_time = lambda ks, ms, context=0: log.append(("steady", int(ks.max())))
-    policy.observe_switch = lambda ks, ms, context=0: log.append(("switch", int(ks.max())))
+    policy.observe_time = lambda ks, ms, context=0: log.append(("steady", _kmax(ks)))
+    policy.observe_switch = lambda ks, ms, context=0: log.append(("switch", _kmax(ks)))
     spec.draft_length = policy
     prompts = [[72, 105, 33], [65, 66]]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -921,8 +934,8 @@ def _plain_streak_run(monkeypatch, reuse: int, async_scheduling: bool, n: int = 
     chooser = spec.draft_length
     chooser.trace = []
     samples = []  # device model only: the wall times differ from run to run
-    chooser.observe_time = lambda row_ks, ms, context: samples.append((row_ks.tolist(), context))
-    chooser.observe_switch = lambda row_ks, ms, context: samples.append(("switch", row_ks.tolist(), context))
+    chooser.observe_time = lambda ks, ms, context: samples.append((_rows(ks), context))
+    chooser.observe_switch = lambda ks, ms, context: samples.append(("switch", _rows(ks), context))
     calls = []
     choose = Speculator._choose
     monkeypatch.setattr(Speculator, "_choose", lambda self, *a: calls.append(1) or choose(self, *a))
@@ -1046,3 +1059,22 @@ def test_a_streak_is_left_when_a_row_stops_decoding():
     assert spec.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 3  # a new streak
     spec.record_plan()
     assert not spec.plan(seqs, [1, 1, 1], [True, False, True]) and len(calls) == 4
+
+
+def test_a_plain_steps_sample_given_as_its_rows_learns_what_its_draft_lengths_would():
+    """A plain step's timing sample may come as its number of rows (no numpy on the plain path): the
+    same overhead, steps record and modelled time as its row_ks of zeros."""
+    by_rows, by_ks = (AdaptiveDraftLength(K, _context_costs(draft_ctx=2e-5, verify_ctx=3e-5)) for _ in "ab")
+    for chooser in (by_rows, by_ks):
+        chooser.steps = []
+    for wall, context in ((9.0, 3000), (7.5, 3016), (8.25, 3032), (6.0, 3048)):
+        by_rows.observe_time(16, wall, context)
+        by_ks.observe_time(np.zeros(16, dtype=np.int64), wall, context)
+    assert np.array_equal(by_rows.costs.overhead, by_ks.costs.overhead, equal_nan=True)
+    assert by_rows.steps == by_ks.steps and by_rows.steps[0][:2] == (16, 0)
+    assert by_rows.costs.plain_ms(16, 3000) == by_ks.modelled_ms(np.zeros(16, dtype=np.int64), context=3000)
+    forced = ForcedDraftLength.fixed(K, 0)
+    forced.steps = []
+    forced.observe_time(16, 5.0)
+    forced.observe_time(np.array([0, 2]), 6.0)
+    assert [s[:3] for s in forced.steps] == [(16, 0, 5.0), (2, 2, 6.0)]

@@ -307,8 +307,9 @@ class Speculator:
         self.run_ahead = False
         # adaptive_k: chooses each step's draft lengths; None drafts k every step.
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
-        # (start, builds then, row_ks, context tokens, whether a switch) of the last step, a timing sample
-        self._last_step: tuple[float, int, np.ndarray, int, bool] | None = None
+        # (start, builds then, row_ks or a plain step's rows, context tokens, whether a switch) of the last
+        # step, a timing sample
+        self._last_step: tuple[float, int, np.ndarray | int, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
         self._streak: _Streak | None = None  # the plain steps running over the same rows (adaptive_k)
         self._plain_steps = 0  # plain steps of streaks so far (_Streak.starts counts from it)
@@ -500,7 +501,11 @@ class Speculator:
                 ks = [0] * len(plan.decodes)
             for seq, k, t in zip(plan.decodes, ks, plan.thinking):
                 _request_metrics(seq).count_draft_length(k, t)
-        self._last_step = None if plan.timed is None else (*plan.timed, row_ks, plan.context, plan.switch)
+        if plan.timed is None:
+            self._last_step = None
+        else:  # a plain step's rows as their number: its sample takes no numpy (see observe_time)
+            sample = row_ks if plan.choice[0] else len(plan.thinking)
+            self._last_step = (*plan.timed, sample, plan.context, plan.switch)
         return plan.choice
 
     def forget_last_step(self) -> None:

@@ -376,9 +376,9 @@ class AdaptiveDraftLength:
         if len(groups):
             self.estimates.observe(groups, num_drafts, num_accepted)
 
-    def observe_time(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
-        """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain) over
-        context tokens in all."""
+    def observe_time(self, row_ks: np.ndarray | int, wall_ms: float, context: int = 0) -> None:
+        """Learn from the wall time of one step whose decode rows drafted row_ks [R] (0 = plain; an
+        int: the rows of a plain step, every one 0) over context tokens in all."""
         self._observe_step(row_ks, wall_ms, context, switch=False)
 
     def observe_switch(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
@@ -387,17 +387,22 @@ class AdaptiveDraftLength:
         learned overhead of a steady step like it."""
         self._observe_step(row_ks, wall_ms, context, switch=True)
 
-    def _observe_step(self, row_ks: np.ndarray, wall_ms: float, context: int, switch: bool) -> None:
-        if not len(row_ks):
-            return
-        kmax = int(row_ks.max())
-        modelled = self.modelled_ms(row_ks, kmax, context)
-        if switch:
-            self.costs.observe_switch(wall_ms - modelled - float(self.costs.overhead_ms(len(row_ks))[kmax]))
+    def _observe_step(self, row_ks: np.ndarray | int, wall_ms: float, context: int, switch: bool) -> None:
+        if isinstance(row_ks, int):  # a plain step: Python floats only (it runs before every plain step)
+            batch, kmax = row_ks, 0
+            modelled = self.costs.plain_ms(batch, context) if batch else 0.0
         else:
-            self.costs.observe(len(row_ks), kmax, wall_ms, modelled)
+            batch = len(row_ks)
+            kmax = int(row_ks.max()) if batch else 0
+            modelled = self.modelled_ms(row_ks, kmax, context) if batch else 0.0
+        if not batch:
+            return
+        if switch:
+            self.costs.observe_switch(wall_ms - modelled - float(self.costs.overhead_ms(batch)[kmax]))
+        else:
+            self.costs.observe(batch, kmax, wall_ms, modelled)
         if self.steps is not None:
-            self.steps.append((len(row_ks), kmax, wall_ms, modelled, switch))
+            self.steps.append((batch, kmax, wall_ms, modelled, switch))
 
 
 class ForcedDraftLength:
@@ -435,10 +440,13 @@ class ForcedDraftLength:
         pass
 
     def observe_time(
-        self, row_ks: np.ndarray, wall_ms: float, context: int = 0, switch: bool = False
+        self, row_ks: np.ndarray | int, wall_ms: float, context: int = 0, switch: bool = False
     ) -> None:
-        if self.steps is not None and len(row_ks):
-            self.steps.append((len(row_ks), int(row_ks.max()), wall_ms, float("nan"), switch))
+        if self.steps is None:
+            return
+        rows, kmax = (row_ks, 0) if isinstance(row_ks, int) else (len(row_ks), int(row_ks.max(initial=0)))
+        if rows:
+            self.steps.append((rows, kmax, wall_ms, float("nan"), switch))
 
     def observe_switch(self, row_ks: np.ndarray, wall_ms: float, context: int = 0) -> None:
         self.observe_time(row_ks, wall_ms, context, True)

@@ -153,6 +153,7 @@ class StepCostModel:
         self._context: dict[int, np.ndarray] = {}  # batch -> context_ms(batch), ditto
         self._draft_pts: tuple[np.ndarray, np.ndarray] | None = None  # (buckets, draft ms), ditto
         self._rows: dict[int, int] = {}  # batch -> index of its bucket in buckets
+        self._plain: dict[int, tuple[float, float]] = {}  # batch -> plain_ms's figures, until the next add
         if not self.costs and measure is None:
             raise ValueError("StepCostModel needs costs or a way to measure them")
 
@@ -180,6 +181,7 @@ class StepCostModel:
         self.costs[rows[0].batch] = list(rows)
         self._round.clear()
         self._context.clear()
+        self._plain.clear()
         self._draft_pts = None
 
     def round_ms(self, batch: int) -> np.ndarray:
@@ -190,6 +192,14 @@ class StepCostModel:
             by_k = [[c for c in rows if c.k == k] for k in range(self.k_max + 1)]
             cached = self._round[batch] = np.array([round_ms_at(costs, batch) for costs in by_k])
         return cached
+
+    def plain_ms(self, batch: int, context: int) -> float:
+        """round_ms(batch)[0] + context * context_ms(batch)[0]: the plain step's device ms over context
+        tokens, from Python floats (cached per batch until the next add)."""
+        cached = self._plain.get(batch)
+        if cached is None:
+            cached = self._plain[batch] = (float(self.round_ms(batch)[0]), float(self.context_ms(batch)[0]))
+        return cached[0] + context * cached[1]
 
     def context_ms(self, batch: int) -> np.ndarray:
         """[K+1] device ms per token of context (summed over the rows) of a step where all `batch`
