@@ -10,9 +10,14 @@ once. This benchmark times the same greedy generate call in engines that differ 
   adaptive-no-probe       the same, its probes out of plain decoding off (PLAIN_PROBE_PERIOD while it runs)
   adaptive-fresh-pass     the same, every plain step taking the chooser's per-row pass (no streak of plain
                           steps reusing the last choice: Speculator.reuse_streaks off)
-  adaptive-no-bookkeeping the same engine with the chooser's per-step work replaced by "plain": no choice,
-                          no step timing, no draft-length counts (needs async scheduling, which takes
-                          the engine's own plain step)
+  adaptive-no-bookkeeping the same engine with the chooser's work on its plain decode steps replaced by
+                          "plain": no choice, no step timing, no draft-length counts; a step with a
+                          prefill still goes through the chooser and the speculator, which runs the draft
+                          model's prompt forward (needs async scheduling, which takes the engine's own
+                          plain step)
+  adaptive-plain-only     the same, but every step the engine's own plain step, prefills included: the
+                          draft model never runs (what adaptive-no-bookkeeping measured before it sent
+                          prefills through the speculator)
   adaptive-no-speculator  the same engine build (graphs, KV pool, draft loaded) with its speculator
                           removed: plain steps of the engine that adaptive_k built
 
@@ -50,6 +55,7 @@ MODES = (
     "adaptive-no-probe",
     "adaptive-fresh-pass",
     "adaptive-no-bookkeeping",
+    "adaptive-plain-only",
     "adaptive-no-speculator",
 )
 
@@ -74,16 +80,31 @@ def build(mode: str, args) -> LLM:
     engine = llm.llm_engine
     if mode == "adaptive-fresh-pass":
         engine.speculator.reuse_streaks = False
-    elif mode == "adaptive-no-bookkeeping":
+    elif mode in ("adaptive-no-bookkeeping", "adaptive-plain-only"):
         if not engine.async_scheduling:
-            raise SystemExit("adaptive-no-bookkeeping needs async scheduling (CUDA, or --engine-args)")
-        spec_ = engine.speculator
-        spec_.plan = lambda seqs, num_new, sample_mask: True  # every step the engine's plain step
-        spec_.record_plan = lambda: None
-        spec_.forget_last_step = lambda: None
+            raise SystemExit(f"{mode} needs async scheduling (CUDA, or --engine-args)")
+        _stub_plain_steps(engine.speculator, prefills_too=mode == "adaptive-plain-only")
     elif mode == "adaptive-no-speculator":
         engine.speculator, engine._adaptive = None, False
     return llm
+
+
+def _stub_plain_steps(spec, prefills_too: bool) -> None:
+    """Replace the speculator's choice by "plain" for every step whose rows all decode (every step with
+    prefills_too): no choice, no step timing, no draft-length counts there."""
+    plan, record_plan = spec.plan, spec.record_plan
+    stubbed = [False]
+
+    def stub_plan(seqs, num_new, sample_mask) -> bool:
+        decoding = (
+            all(n == 1 for n in num_new) and all(sample_mask) and all(s.num_output_tokens for s in seqs)
+        )
+        stubbed[0] = prefills_too or decoding
+        return True if stubbed[0] else plan(seqs, num_new, sample_mask)
+
+    spec.plan = stub_plan
+    spec.record_plan = lambda: None if stubbed[0] else record_plan()
+    spec.forget_last_step = lambda: None
 
 
 def timed(llm: LLM, mode: str, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
