@@ -21,6 +21,8 @@
 #   overhead    what a speculating engine's plain steps cost on the host-bound toy pair, mode by mode against
 #               plain decoding (benchmarks/toy_plain_overhead.py; OVERHEAD_ARGS, e.g. "--batch-sizes 1,16,64
 #               --modes plain,adaptive,adaptive-fresh-pass,adaptive-no-bookkeeping")
+#   bookkeeping host microseconds of an adaptive engine's bookkeeping per plain decode step (plan + record_plan),
+#               plain streaks on and off (benchmarks/bench_plain_bookkeeping.py; BOOKKEEPING_ARGS)
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
@@ -129,6 +131,12 @@ if has overhead; then
   timeout "${OVERHEAD_TIMEOUT:-400}" $PY benchmarks/toy_plain_overhead.py --out "$OUT/overhead.json" \
     ${OVERHEAD_ARGS:-} 2>&1 | grep -v 'it/s]' | tee "$OUT/overhead.log"
   record overhead "${PIPESTATUS[0]}" "${OVERHEAD_TIMEOUT:-400}"
+fi
+
+if has bookkeeping; then
+  timeout "${BOOKKEEPING_TIMEOUT:-200}" $PY benchmarks/bench_plain_bookkeeping.py --out "$OUT/bookkeeping.json" \
+    ${BOOKKEEPING_ARGS:-} 2>&1 | grep -v 'it/s]' | tee "$OUT/bookkeeping.log"
+  record bookkeeping "${PIPESTATUS[0]}" "${BOOKKEEPING_TIMEOUT:-200}"
 fi
 
 if has long; then
