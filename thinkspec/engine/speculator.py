@@ -178,21 +178,23 @@ class _Plan:
 @dataclass(slots=True)
 class _Streak:
     """adaptive_k: plain decode steps (every row k = 0) over the same scheduled rows. Their per-request
-    draft-length counts wait here: row i has had plain_steps - starts[i] plain steps not yet in its
-    histogram (Speculator.settle). While the choice may be reused (reusable), a step of the same rows
-    in the same phases takes it without the per-row pass of _choose (Speculator._plan_again)."""
+    draft-length counts wait here: row i has had Speculator._plain_steps - settled.get(i, start) plain
+    steps not yet in its histogram (Speculator.settle). While the choice may be reused (reusable), a
+    step of the same rows in the same phases takes it without the per-row pass of _choose
+    (Speculator._plan_again)."""
 
     seqs: list[Sequence]  # [R] the scheduled rows, all decoding, in order
     thinking: list[bool]  # [R] each row's phase
     groups: list[int]  # [R] GROUPS index of each row
-    starts: list[int]  # [R] Speculator._plain_steps when row i was last counted
-    index: dict[int, int]  # id(seq) -> its row
+    start: int  # Speculator._plain_steps when the streak started
     # no per-row pass needed to reuse the choice: the adaptive chooser, and every group present has a
     # row whose draft is behind (plain steps only put it further behind), or there is no draft model
     reusable: bool
     choice: _Choice  # the plain choice: row_ks zeros [R]
     ones: list[int] = field(init=False)  # [R] 1s: each row's new tokens in a decode step
     trues: list[bool] = field(init=False)  # [R] True: each row samples
+    settled: dict[int, int] | None = None  # row -> Speculator._plain_steps at its last settle
+    index: dict[int, int] | None = None  # id(seq) -> its row, made at the first settle
 
     def __post_init__(self) -> None:
         self.ones = [1] * len(self.seqs)
@@ -384,15 +386,15 @@ class Speculator:
         decodes_only = len(decodes) == len(seqs)
         choice, thinking, context, switch, groups, behind = self._choose(seqs, decodes)
         plain = decodes_only and not choice[0]
+        rows = list(seqs)
         if plain:
             self.learn()  # a plain step: its host time is mostly hidden (async), the chooser learns now
-            self._start_streak(seqs, thinking, groups, behind, choice)
+            self._start_streak(rows, thinking, groups, behind, choice)
         # A step whose draft first catches up over many tokens (after plain steps) samples the switch
         # cost, not the steady step's.
         timed = (now, builds) if decodes_only else None
-        self._plan = _Plan(
-            list(seqs), [seqs[i] for i in decodes], choice, thinking, context, timed, switch, plain
-        )
+        decoding = rows if decodes_only else [seqs[i] for i in decodes]
+        self._plan = _Plan(rows, decoding, choice, thinking, context, timed, switch, plain)
         return plain
 
     def _plan_again(
@@ -433,38 +435,42 @@ class Speculator:
         behind: list[bool],
         choice: _Choice,
     ) -> None:
-        """A plain step over seqs (all decoding; thinking, groups [R] and behind [G] as _choose found
-        them) starts a streak: see _Streak."""
+        """A plain step over seqs (all decoding, a list the streak keeps; thinking, groups [R] and
+        behind [G] as _choose found them) starts a streak: see _Streak."""
         reusable = isinstance(self.draft_length, AdaptiveDraftLength) and (
             not self.has_draft_model or all(behind[g] for g in groups)
         )
-        n = self._plain_steps
-        self._streak = _Streak(
-            list(seqs), thinking, groups, [n] * len(seqs), {id(s): i for i, s in enumerate(seqs)},
-            reusable, choice,
-        )  # fmt: skip
+        self._streak = _Streak(seqs, thinking, groups, self._plain_steps, reusable, choice)
 
     def _end_streak(self) -> None:
         """Count the streak's plain steps into each of its rows' per-request histograms."""
         streak, self._streak = self._streak, None
         if streak is None:
             return
-        n = self._plain_steps
-        for seq, t, start in zip(streak.seqs, streak.thinking, streak.starts):
-            if n > start:
-                _request_metrics(seq).count_draft_length(0, t, n - start)
+        n, start, settled = self._plain_steps, streak.start, streak.settled
+        if n == start and settled is None:
+            return
+        for i, (seq, t) in enumerate(zip(streak.seqs, streak.thinking)):
+            done = n - (start if settled is None else settled.get(i, start))
+            if done > 0:
+                _request_metrics(seq).count_draft_length(0, t, done)
 
     def settle(self, seq: Sequence) -> None:
         """Bring seq's per-request draft-length counts up to date (before its output is read)."""
         streak = self._streak
-        i = streak.index.get(id(seq)) if streak is not None else None
+        if streak is None:
+            return
+        if streak.index is None:
+            streak.index, streak.settled = {id(s): i for i, s in enumerate(streak.seqs)}, {}
+        i = streak.index.get(id(seq))
         if i is None:
             return
-        assert streak is not None
-        n = self._plain_steps - streak.starts[i]
-        if n > 0:
-            _request_metrics(seq).count_draft_length(0, streak.thinking[i], n)
-            streak.starts[i] = self._plain_steps
+        assert streak.settled is not None
+        n = self._plain_steps
+        done = n - streak.settled.get(i, streak.start)
+        if done > 0:
+            _request_metrics(seq).count_draft_length(0, streak.thinking[i], done)
+            streak.settled[i] = n
 
     def _drain_weights(
         self, groups: list[int], seqs: list[Sequence], rows: list[int] | range
