@@ -1,17 +1,20 @@
 """Host time of an adaptive engine's bookkeeping for one plain decode step: Speculator.plan + record_plan.
 
 The bundled toy pair's adaptive engine (target + draft, adaptive_k, relaxed thinking) with its chooser
-settled on plain steps (acceptance estimates at 0), over R synthetic decode rows whose draft is behind
-(as after plain steps), every other one thinking. No forward runs: this is the host work an adaptive
-engine adds to each plain step, which a host-bound pair (the toy's 0.3 ms steps) cannot hide and whose
-wall-clock effect the host's own unsteadiness buries (docs/BENCHMARKS.md, "Relaxation sweep").
+settled on plain steps (acceptance estimates at 0, and a prohibitive learned switch cost: with no step
+ever run, the cost model alone would weigh drafting against plain on timings a few percent apart),
+over R synthetic decode rows whose draft is behind (as after plain steps), every other one thinking.
+No forward runs: this is the host work an adaptive engine adds to each plain step, which a host-bound
+pair (the toy's 0.3 ms steps) cannot hide and whose wall-clock effect the host's own unsteadiness
+buries (docs/BENCHMARKS.md, "Relaxation sweep").
 
 Modes alternate chunk by chunk, each chunk the same plan/record pair --steps times:
   streak      a plain step over the same rows as the one before reuses the chooser's choice
   fresh-pass  Speculator.reuse_streaks off: every plain step takes the chooser's per-row pass
 A thinkspec without reuse_streaks (an older tree first on PYTHONPATH) runs as "fresh-pass" only.
-Per batch size and mode: median microseconds per step (p10-p90) over --chunks chunks, and the per-row
-passes per step (_choose calls). Writes JSON (--out) and prints a table last.
+Per batch size and mode: median microseconds per step (p10-p90) over --chunks chunks, the per-row
+passes per step (_choose calls) and the rows that drafted per step (probes out of plain decoding
+only). Writes JSON (--out) and prints a table last.
 
     python3 benchmarks/bench_plain_bookkeeping.py --batch-sizes 1,16,64 --out plain-bookkeeping.json
 """
@@ -46,18 +49,24 @@ def decode_rows(n: int) -> list[Sequence]:
     return rows
 
 
-def chunk(spec, seqs: list[Sequence], mode: str, steps: int, passes: list[int]) -> tuple[float, float]:
-    """(us per step, per-row passes per step) of one chunk: steps plain steps' plan + record_plan over
-    the decode rows seqs; passes[0] counts _choose's calls."""
+def drafted_rows(spec) -> int:
+    """Rows the speculator has counted with k > 0 so far (engine histogram, both phases)."""
+    return sum(sum(spec.metrics.phase(p).draft_length_histogram[1:]) for p in ("thinking", "answer"))
+
+
+def chunk(spec, seqs: list[Sequence], mode: str, steps: int, passes: list[int]) -> tuple[float, float, float]:
+    """(us per step, per-row passes per step, drafting rows per step) of one chunk: steps plain steps'
+    plan + record_plan over the decode rows seqs; passes[0] counts _choose's calls."""
     if hasattr(spec, "reuse_streaks"):
         spec.reuse_streaks = mode == "streak"
     ones, trues = [1] * len(seqs), [True] * len(seqs)
-    passes[0] = 0
+    passes[0], drafted = 0, drafted_rows(spec)
     t0 = time.perf_counter()
     for _ in range(steps):
         spec.plan(seqs, ones, trues)
         spec.record_plan()
-    return 1e6 * (time.perf_counter() - t0) / steps, passes[0] / steps
+    us = 1e6 * (time.perf_counter() - t0) / steps
+    return us, passes[0] / steps, (drafted_rows(spec) - drafted) / steps
 
 
 def main() -> None:
@@ -80,6 +89,7 @@ def main() -> None:
               max_num_seqs=max(batch_sizes), **kw)  # fmt: skip
     spec = llm.llm_engine.speculator
     spec.draft_length.estimates.rates[:] = 0.0  # plain steps are the best choice
+    spec.draft_length.costs.switch = 1e6  # ms: no choice drafts with rows whose draft is behind (but probes)
     modes = ["streak", "fresh-pass"] if hasattr(spec, "reuse_streaks") else ["fresh-pass"]
     passes = [0]
     choose = spec._choose
@@ -98,17 +108,20 @@ def main() -> None:
             chunk(spec, seqs, m, args.steps, passes)
         times: dict[str, list[float]] = {m: [] for m in modes}
         per_step: dict[str, list[float]] = {m: [] for m in modes}
+        drafting: dict[str, list[float]] = {m: [] for m in modes}
         for _ in tqdm(range(args.chunks), desc=f"batch {b}"):
             for m in modes:
-                us, p = chunk(spec, seqs, m, args.steps, passes)
+                us, p, d = chunk(spec, seqs, m, args.steps, passes)
                 times[m].append(us)
                 per_step[m].append(p)
+                drafting[m].append(d)
         for m in modes:
             t = np.array(times[m])
             rows.append({
                 "batch": b, "mode": m, "us_per_step": statistics.median(times[m]),
                 "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90)),
-                "passes_per_step": statistics.mean(per_step[m]), "chunks": times[m],
+                "passes_per_step": statistics.mean(per_step[m]),
+                "drafting_rows_per_step": statistics.mean(drafting[m]), "chunks": times[m],
             })  # fmt: skip
     device = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu"
     report = {"device": device, "steps_per_chunk": args.steps, "chunks": args.chunks, "k_max": args.k_max,
@@ -118,7 +131,8 @@ def main() -> None:
     print(f"plain-step bookkeeping (plan + record_plan), us per step: median (p10-p90), {args.chunks} chunks")
     for r in rows:
         print(f"batch {r['batch']:>3}  {r['mode']:<10} {r['us_per_step']:8.1f} ({r['p10']:.1f}-"
-              f"{r['p90']:.1f})  per-row passes per step {r['passes_per_step']:.3f}")  # fmt: skip
+              f"{r['p90']:.1f})  per-row passes per step {r['passes_per_step']:.3f}  drafting rows per step "
+              f"{r['drafting_rows_per_step']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,5 +23,6 @@ def test_bench_plain_bookkeeping_smoke(tmp_path):
         assert len(r["chunks"]) == 2 and r["p10"] <= r["us_per_step"] <= r["p90"]
         # a streak reuses the choice of the step before (no probe falls in 60 choices); the fresh pass never
         assert r["passes_per_step"] == (0.0 if mode == "streak" else 1.0)
+        assert r["drafting_rows_per_step"] == 0.0  # every step timed is a plain one
     table = proc.stdout.splitlines()[-len(rows) :]
     assert [line.split()[2] for line in table] == [m for m, _ in rows]
