@@ -314,7 +314,7 @@ class Speculator:
         self._last_step: tuple[float, int, np.ndarray | int, int, bool] | None = None
         self._plan: _Plan | None = None  # the step about to run (adaptive_k)
         self._streak: _Streak | None = None  # the plain steps running over the same rows (adaptive_k)
-        self._plain_steps = 0  # plain steps of streaks so far (_Streak.starts counts from it)
+        self._plain_steps = 0  # plain steps of streaks so far (_Streak.start and settled count from it)
         # adaptive_k: what the chooser has still to learn, oldest first, as (its method, arguments):
         # observe_time / observe_switch (row_ks, wall ms, context) of a timed step, observe (groups,
         # num_drafts, num_accepted) of a step's windows. Learnt while the device runs the next
