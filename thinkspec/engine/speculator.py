@@ -482,7 +482,8 @@ class Speculator:
         return lambda: drain_weights(groups, [self.tokens_left(seqs[i]) for i in rows])
 
     def _phases(self, seqs: list[Sequence]) -> list[bool]:
-        """[R] is_thinking of each of seqs."""
+        """[R] the phase each of seqs is in for the step's choice and histogram (True = thinking): the
+        synthetic profile's in that benchmark mode, else the request's own."""
         profile = self.config.synthetic_acceptance_profile
         if profile is None:
             return [s.thinking for s in seqs]
@@ -552,14 +553,6 @@ class Speculator:
         if isinstance(self.draft_length, AdaptiveDraftLength):
             n += len(self.draft_length.costs.costs)
         return n + (self._compile_count() or 0)
-
-    def is_thinking(self, seq: Sequence) -> bool:
-        """The phase the step's choice and histogram use: the synthetic profile's in that benchmark
-        mode, else the request's own."""
-        profile = self.config.synthetic_acceptance_profile
-        if profile is not None:
-            return seq.num_output_tokens < profile["thinking_tokens"]
-        return seq.thinking
 
     def tokens_left(self, seq: Sequence) -> int:
         """The most tokens the request may still emit (max_tokens, max_model_len)."""
@@ -680,14 +673,13 @@ class Speculator:
         tokens each row has left (the drain weights) are read only when the chooser searches afresh."""
         assert self.draft_length is not None
         tracked = self.tracker is not None
-        thinking, groups, counts, context = [], [], [0] * len(GROUPS), 0
+        thinking = self._phases([seqs[i] for i in decodes])
+        groups, counts, context = [], [0] * len(GROUPS), 0
         behind = [False] * len(GROUPS)  # per group: a row's draft is behind
         draft = self.has_draft_model
-        for i in decodes:
+        for i, t in zip(decodes, thinking):
             seq = seqs[i]
-            t = self.is_thinking(seq)
             g = group_of(t, tracked and t and self.relax_enabled(seq))
-            thinking.append(t)
             groups.append(g)
             counts[g] += 1
             context += seq.num_tokens
