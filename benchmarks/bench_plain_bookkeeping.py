@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from toy_plain_overhead import toy_adaptive_config
 from tqdm import tqdm
 
 from thinkspec import LLM, SamplingParams
@@ -79,14 +80,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    spec_cfg = {
-        "model": str(resolve_model_path("toy-reasoner-draft")), "num_speculative_tokens": args.k_max,
-        "adaptive_k": True, "reasoning_parser": "qwen3", "relaxed_thinking": True, "relax_ratio": 0.3,
-        "relax_top_k": 8,
-    }  # fmt: skip
     kw = {"kv_cache_memory": 1 << 30} if torch.device(args.device).type == "cuda" else {}
-    llm = LLM(resolve_model_path("toy-reasoner"), speculative_config=spec_cfg, device=args.device,
-              max_num_seqs=max(batch_sizes), **kw)  # fmt: skip
+    llm = LLM(resolve_model_path("toy-reasoner"), speculative_config=toy_adaptive_config(args.k_max),
+              device=args.device, max_num_seqs=max(batch_sizes), **kw)  # fmt: skip
     spec = llm.llm_engine.speculator
     spec.draft_length.estimates.rates[:] = 0.0  # plain steps are the best choice
     spec.draft_length.costs.switch = 1e6  # ms: no choice drafts with rows whose draft is behind (but probes)

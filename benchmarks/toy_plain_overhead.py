@@ -60,6 +60,16 @@ MODES = (
 )
 
 
+def toy_adaptive_config(k_max: int) -> dict[str, Any]:
+    """speculative_config of the toy pair's adaptive engine: the bundled draft, adaptive_k up to k_max,
+    relaxed thinking (ratio 0.3, top-k 8) as bench_adaptive --toy runs it."""
+    return {
+        "model": str(resolve_model_path("toy-reasoner-draft")), "num_speculative_tokens": k_max,
+        "adaptive_k": True, "reasoning_parser": "qwen3", "relaxed_thinking": True, "relax_ratio": 0.3,
+        "relax_top_k": 8,
+    }  # fmt: skip
+
+
 def build(mode: str, args) -> LLM:
     """The engine of one mode (see the module docstring)."""
     kw: dict[str, Any] = dict(device=args.device, max_num_seqs=max(args.batch_sizes))
@@ -71,12 +81,7 @@ def build(mode: str, args) -> LLM:
         if mode == "plain-parser":
             kw["reasoning_parser"] = "qwen3"
         return LLM(target, **kw)
-    spec = {
-        "model": str(resolve_model_path("toy-reasoner-draft")), "num_speculative_tokens": args.k_max,
-        "adaptive_k": True, "reasoning_parser": "qwen3", "relaxed_thinking": True, "relax_ratio": 0.3,
-        "relax_top_k": 8,
-    }  # fmt: skip
-    llm = LLM(target, speculative_config=spec, **kw)
+    llm = LLM(target, speculative_config=toy_adaptive_config(args.k_max), **kw)
     engine = llm.llm_engine
     if mode == "adaptive-fresh-pass":
         engine.speculator.reuse_streaks = False
