@@ -1078,3 +1078,14 @@ def test_a_plain_steps_sample_given_as_its_rows_learns_what_its_draft_lengths_wo
     forced.observe_time(16, 5.0)
     forced.observe_time(np.array([0, 2]), 6.0)
     assert [s[:3] for s in forced.steps] == [(16, 0, 5.0), (2, 2, 6.0)]
+
+
+def test_plain_ms_follows_a_bucket_measured_after_it_was_read():
+    """plain_ms caches per batch until a bucket is added: a measurement that lands later (the engine
+    measures buckets as batches first reach them) moves it as it moves round_ms."""
+    table = {b: [StepCosts(b, k, 5.0, 0.5, 5.0 + k, 0.0, 1e-4) for k in range(K + 1)] for b in (1, 64)}
+    costs = StepCostModel(K, (1, 2, 4, 8, 16, 32, 64), table)
+    assert costs.plain_ms(16, 1000) == pytest.approx(5.0 + 1000 * 1e-4)
+    costs.add([StepCosts(16, k, 3.0, 0.5, 3.0 + k, 0.0, 2e-4) for k in range(K + 1)])
+    assert costs.plain_ms(16, 1000) == pytest.approx(3.0 + 1000 * 2e-4)
+    assert costs.plain_ms(16, 1000) == float(costs.round_ms(16)[0] + 1000 * costs.context_ms(16)[0])
