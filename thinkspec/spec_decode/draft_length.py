@@ -93,6 +93,14 @@ def drain_weights(groups: list[int] | np.ndarray, left: list[int] | np.ndarray) 
     return out
 
 
+def sample_rows(row_ks: np.ndarray | int) -> tuple[int, int]:
+    """(rows, longest window) of a timing sample: row_ks [R] each decode row's draft length, or an int,
+    the rows of a plain step (every one 0)."""
+    if isinstance(row_ks, int):
+        return row_ks, 0
+    return len(row_ks), int(row_ks.max(initial=0))
+
+
 def group_of(thinking: bool, relaxed: bool) -> int:
     """GROUPS index of a row: relaxation only applies while thinking."""
     return (THINKING_RELAXED if relaxed else THINKING) if thinking else ANSWER
@@ -388,15 +396,13 @@ class AdaptiveDraftLength:
         self._observe_step(row_ks, wall_ms, context, switch=True)
 
     def _observe_step(self, row_ks: np.ndarray | int, wall_ms: float, context: int, switch: bool) -> None:
-        if isinstance(row_ks, int):  # a plain step: Python floats only (it runs before every plain step)
-            batch, kmax = row_ks, 0
-            modelled = self.costs.plain_ms(batch, context) if batch else 0.0
-        else:
-            batch = len(row_ks)
-            kmax = int(row_ks.max()) if batch else 0
-            modelled = self.modelled_ms(row_ks, kmax, context) if batch else 0.0
+        batch, kmax = sample_rows(row_ks)
         if not batch:
             return
+        # a plain step's model from Python floats (it runs before every plain step), the same figure
+        modelled = (
+            self.costs.plain_ms(batch, context) if kmax == 0 else self.modelled_ms(row_ks, kmax, context)
+        )
         if switch:
             self.costs.observe_switch(wall_ms - modelled - float(self.costs.overhead_ms(batch)[kmax]))
         else:
@@ -444,7 +450,7 @@ class ForcedDraftLength:
     ) -> None:
         if self.steps is None:
             return
-        rows, kmax = (row_ks, 0) if isinstance(row_ks, int) else (len(row_ks), int(row_ks.max(initial=0)))
+        rows, kmax = sample_rows(row_ks)
         if rows:
             self.steps.append((rows, kmax, wall_ms, float("nan"), switch))
 
