@@ -45,6 +45,7 @@ from tqdm import tqdm
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts
 from thinkspec.bench.datasets import load_dataset
+from thinkspec.engine.speculator import _decode_rows
 from thinkspec.spec_decode import draft_length
 from thinkspec.toy.assets import resolve_model_path
 
@@ -101,9 +102,7 @@ def _stub_plain_steps(spec, prefills_too: bool) -> None:
     stubbed = [False]
 
     def stub_plan(seqs, num_new, sample_mask) -> bool:
-        decoding = (
-            all(n == 1 for n in num_new) and all(sample_mask) and all(s.num_output_tokens for s in seqs)
-        )
+        decoding = len(_decode_rows(seqs, num_new, sample_mask)) == len(seqs)  # the engine's own rule
         stubbed[0] = prefills_too or decoding
         return True if stubbed[0] else plan(seqs, num_new, sample_mask)
 
