@@ -10,6 +10,7 @@ from checkpoints import tiny_checkpoint
 from thinkspec import LLM, SamplingParams
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.factory import target_graph_widths
+from thinkspec.spec_decode import step_costs
 from thinkspec.spec_decode.draft_length import (
     ANSWER,
     GROUPS,
@@ -215,6 +216,25 @@ def test_overhead_is_learned_per_window():
     np.testing.assert_allclose(costs.overhead_ms(64), [0.5, 2, 2, 2, 3], atol=1e-3)  # nearest bucket
     costs.observe(16, 4, measured_ms=1e4, modelled_ms=7.0)  # an outlier moves it a little
     assert costs.overhead_ms(16)[4] < 3.5
+
+
+def test_an_overhead_entry_learns_a_short_runs_cost_within_the_run():
+    """After the least of its first MIN_OF, an entry is the running mean of that least and the
+    measurements since (a window drafted for 8 steps of a run learns what it costs in that run);
+    once a measurement's share falls to OVERHEAD_ALPHA it moves as the moving average."""
+    costs = _costs()
+    for extra in (2.0, 2.5, 2.4):  # the least of the first three: 2.0
+        costs.observe(64, 3, measured_ms=10.0 + extra, modelled_ms=10.0)
+    for _ in range(5):
+        costs.observe(64, 3, measured_ms=13.0, modelled_ms=10.0)
+    assert costs.overhead_ms(64)[3] == pytest.approx((2.0 + 5 * 3.0) / 6)  # 2.226 as a 5% average
+    n_mean = round(1 / step_costs.OVERHEAD_ALPHA)  # values in the mean when its weight reaches alpha
+    for _ in range(n_mean - 6):
+        costs.observe(64, 3, measured_ms=13.0, modelled_ms=10.0)
+    before = costs.overhead_ms(64)[3]
+    assert before == pytest.approx((2.0 + (n_mean - 1) * 3.0) / n_mean)
+    costs.observe(64, 3, measured_ms=14.0, modelled_ms=10.0)
+    assert costs.overhead_ms(64)[3] == pytest.approx(before + step_costs.OVERHEAD_ALPHA * (4.0 - before))
 
 
 def test_probing_recovers_a_pessimistic_estimate():

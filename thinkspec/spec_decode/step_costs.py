@@ -17,9 +17,10 @@ of every row again (kmax draft forwards and the verify), which at long contexts 
 On top of that each step pays work the
 graph timings do not see (scheduling, packing, the logits windows and acceptance, the host copy),
 which grows with the window at large batch: the model learns it online, per bucket and per longest
-window kmax (0 = the plain step), as an exponential moving average of (measured wall time -
-modelled device time) that its first measurement starts. An entry not measured yet borrows the
-nearest measured window of its bucket (the plain step only its own), else the nearest bucket's.
+window kmax (0 = the plain step), from (measured wall time - modelled device time): the least of
+its first few measurements, then a running mean, then an exponential moving average. An entry not
+measured yet borrows the nearest measured window of its bucket (the plain step only its own), else
+the nearest bucket's.
 The first drafting step after plain steps costs more again: the draft model catches its drafting
 rows up over every token since in one eager forward. That switch cost is learned apart
 (observe_switch), one figure for all buckets, from what such steps took beyond a steady step's
@@ -239,15 +240,20 @@ class StepCostModel:
     def observe(self, batch: int, kmax: int, measured_ms: float, modelled_ms: float) -> None:
         """Learn the overhead from one step's wall time (the caller leaves out steps that captured
         a graph or measured costs). A step that compiled a kernel is an outlier too, and may be the
-        first: an entry keeps the least of its first MIN_OF measurements, and after that a step
-        moves it up by at most what twice the entry plus 1 ms would."""
+        first: an entry keeps the least of its first MIN_OF measurements. After that it is the mean
+        of that least and the measurements since, until one measurement's share of the mean falls to
+        OVERHEAD_ALPHA, and an exponential moving average from there: a window chosen for a few
+        steps of a short run learns what it costs within that run, where the moving average alone
+        would move a low start 5% of the way a step. A step moves it up by at most what twice the
+        entry plus 1 ms would."""
         row = self._row(batch)
         extra = max(measured_ms - modelled_ms, 0.0)
         cur, seen = float(self.overhead[row, kmax]), int(self.seen[row, kmax])  # Python scalars: per step
         if math.isnan(cur) or seen < MIN_OF:
             new = extra if math.isnan(cur) else min(cur, extra)
         else:
-            new = cur + OVERHEAD_ALPHA * (min(extra, 2.0 * cur + 1.0) - cur)
+            weight = max(OVERHEAD_ALPHA, 1.0 / (seen - MIN_OF + 2))  # the mean's count: the least + these
+            new = cur + weight * (min(extra, 2.0 * cur + 1.0) - cur)
         self.overhead[row, kmax] = new
         self.seen[row, kmax] = seen + 1
 
