@@ -157,8 +157,8 @@ class ClosedBatch:
             groups = np.where(done[live] < self.thinking_tokens, THINKING, ANSWER)
             if isinstance(policy, AdaptiveDraftLength):
                 counts = np.bincount(groups, minlength=len(GROUPS))
-                weights = drain_weights(groups, self.output_len - done[live]) if self.drain else None
-                ks = policy.choose(counts, behind=[lag > 2] * len(GROUPS), weights=weights)[groups]
+                drain = drain_weights(groups, self.output_len - done[live]) if self.drain else None
+                ks = policy.choose(counts, behind=[lag > 2] * len(GROUPS), drain=drain)[groups]
                 if policy.probe_rows is not None:  # a probe out of plain decoding: its first rows only
                     ks[np.flatnonzero(ks)[policy.probe_rows :]] = 0
             elif isinstance(policy, tuple):
@@ -186,7 +186,8 @@ class ClosedBatch:
             seconds += ms / 1e3
 
 
-DRAIN = True  # --no-drain: the chooser counts every row alike (the engine while requests wait)
+# --no-drain: the chooser counts every row alike and sees no spread (the engine while requests wait)
+DRAIN = True
 DRAWS = ("step", "token")  # see ClosedBatch.draws
 
 # Chooser constants --set may change (what-if runs): module constants of draft_length, and the
@@ -199,6 +200,7 @@ SETTABLE = (
     "REFRESH",
     "REFRESH_PLAIN",
     "SWITCH_HORIZON",
+    "SPREAD_MIN_LEFT",
 )
 ESTIMATE_WEIGHTS = {"RATE_ALPHA": "alpha", "MAX_STEP_WEIGHT": "max_weight", "SHRINK": "shrink"}
 

@@ -42,6 +42,7 @@ from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, proce
 from thinkspec.spec_decode.draft_length import (
     GROUPS,
     AdaptiveDraftLength,
+    Drain,
     ForcedDraftLength,
     drain_weights,
     group_of,
@@ -474,9 +475,9 @@ class Speculator:
 
     def _drain_weights(
         self, groups: list[int], seqs: list[Sequence], rows: list[int] | range
-    ) -> Callable[[], list[float]] | None:
-        """While the batch drains, a function giving the drain weights of seqs' rows (GROUPS index
-        groups [R] each), worked out only if the chooser searches; None otherwise (every row 1)."""
+    ) -> Callable[[], Drain] | None:
+        """While the batch drains, a function giving the drain of seqs' rows (GROUPS index groups [R]
+        each), worked out only if the chooser searches; None otherwise (every row 1)."""
         if not self.draining:
             return None
         return lambda: drain_weights(groups, [self.tokens_left(seqs[i]) for i in rows])

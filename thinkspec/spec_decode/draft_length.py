@@ -22,7 +22,14 @@ steps the draft model is behind and the first drafting step first catches up its
 eager forward over every token since, tens of ms at batch 16): a choice that drafts with a group the
 engine reports behind also pays the learned switch cost, spread over SWITCH_HORIZON steps. While no
 request waits to take a finished row's place, n_g is replaced by the group's rows weighted by their
-share of the tokens left (drain_weights): the batch takes as long as its longest rows.
+share of the tokens left (drain_weights): the batch takes as long as its longest rows. And since a
+drafting row emits a random number of tokens per step, the longest rows do not all finish together:
+the last of n rows with L tokens left, each emitting mu tokens a step with spread sigma, needs about
+z_n sigma sqrt(L / mu) / mu steps more than the mean one (z_n: the expected largest of n standard
+normal draws), so a draining group's E_g(k) counts as E_g(k) / (1 + z_n sigma_g(k) / sqrt(E_g(k) L)),
+n its drain weight (the rows that can still be last, each by its share) and L its longest row's
+tokens left, while L >= SPREAD_MIN_LEFT (spread_factor). Plain steps have no spread; one row has
+none to lose to.
 
 Estimates of positions a group does not draft are not updated, so a pessimistic one could never
 recover: every PROBE_PERIOD-th choice one group (the groups present, in turn) drafts one token more
@@ -38,6 +45,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from statistics import NormalDist
+from typing import NamedTuple
 
 import numpy as np
 
@@ -76,21 +85,64 @@ REFRESH_PLAIN = 32
 # row of a batch of 64 after 256 plain steps is a 16k-token draft forward, ~8% of the time probed).
 PLAIN_PROBE_PERIOD = 256
 PLAIN_PROBE_ROWS = 4
-# [G] drain weights (see drain_weights), a function that works them out, or None (every row 1)
-Weights = list[float] | Callable[[], list[float]] | None
+# The spread term (spread_factor) counts only while a group's longest row has this many tokens left.
+# It takes the rows that can be last as all L tokens from their end, which holds at the start of a
+# closed batch; near the end the rows are spread already (the drain weights see it) and it over-counts.
+# In the simulator on H200 step times (BENCHMARKS.md, thirty-third session), applied down to the last
+# token it took batch 16 from 1.005-1.007 of the best to 0.995; from 128 tokens on it leaves 4 and 16
+# as they were (1.003-1.007) and takes batch 64 from 0.939 to 0.975 on the step times of the call
+# where the chooser drafted at 64 (0.969-0.971 to 0.973-0.975 on the others).
+SPREAD_MIN_LEFT = 128
 
 
-def drain_weights(groups: list[int] | np.ndarray, left: list[int] | np.ndarray) -> list[float]:
-    """[G] per group, its rows' tokens left (left [R], of rows in groups [R]) over the most any row has
-    left: the weights of a batch that drains (no request waits to take a finished row's place). Its
-    time is then the time its longest rows take, and a row about to finish adds little to it: at 12
-    answer rows with ~20 tokens left and 4 thinking rows with ~50, the plain step emits the most
-    tokens per ms, but leaves the 4 thinking rows one token per step for the batch's last 50 steps."""
+class Drain(NamedTuple):
+    """A draining batch (no request waits to take a finished row's place), as the chooser weighs it."""
+
+    weights: list[float]  # [G] the group's rows, each by its tokens left over the most any row has
+    longest: list[int]  # [G] the most tokens any row of the group has left (0: no row)
+
+
+# The drain (see drain_weights), a function that works it out, or None (every row 1, no spread)
+DrainArg = Drain | Callable[[], Drain] | None
+
+
+def drain_weights(groups: list[int] | np.ndarray, left: list[int] | np.ndarray) -> Drain:
+    """Per group, its rows' tokens left (left [R], of rows in groups [R]) over the most any row has
+    left, and its longest row's: the weights of a batch that drains. Its time is then the time its
+    longest rows take, and a row about to finish adds little to it: at 12 answer rows with ~20 tokens
+    left and 4 thinking rows with ~50, the plain step emits the most tokens per ms, but leaves the 4
+    thinking rows one token per step for the batch's last 50 steps."""
     top = max(max(left, default=0), 1)
     out = [0.0] * len(GROUPS)
+    longest = [0] * len(GROUPS)
     for g, r in zip(groups, left):
         out[g] += max(r, 0) / top
-    return out
+        longest[g] = max(longest[g], int(r))
+    return Drain(out, longest)
+
+
+def expected_largest_normal(n: float) -> float:
+    """The expected largest of n standard normal draws (Blom's approximation: 4.5% high at n = 2,
+    within 2% from n = 4); 0 for n <= 1. n may be fractional (a drain weight)."""
+    if n <= 1.0:
+        return 0.0
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def spread_factor(rates: np.ndarray, drain: Drain, groups: np.ndarray) -> np.ndarray:
+    """[P, K+1] what a step's expected tokens count for in a draining batch, for the groups [P] with
+    conditional rates [P, K] (see the module docstring): 1 / (1 + z_n sigma(k) / sqrt(E(k) L)); 1 at
+    k = 0, for a group with at most one row that counts and while L < SPREAD_MIN_LEFT."""
+    reach = np.cumprod(rates, axis=1)  # [P, K] P(at least i+1 drafts accepted)
+    odd = 2 * np.arange(1, rates.shape[1] + 1) - 1  # E[A^2] = sum_i (2i - 1) P(A >= i)
+    zero = np.zeros((rates.shape[0], 1))
+    mean = np.concatenate([zero, np.cumsum(reach, axis=1)], axis=1)  # [P, K+1] accepted drafts
+    square = np.concatenate([zero, np.cumsum(odd * reach, axis=1)], axis=1)
+    sigma = np.sqrt(np.maximum(square - mean**2, 0.0))  # [P, K+1] of the tokens a step emits
+    longest = np.array([max(drain.longest[g], 1) for g in groups], dtype=np.float64)[:, None]  # [P, 1]
+    z = np.array([expected_largest_normal(drain.weights[g]) for g in groups])[:, None]  # [P, 1]
+    z[longest < SPREAD_MIN_LEFT] = 0.0
+    return 1.0 / (1.0 + z * sigma / np.sqrt((1.0 + mean) * longest))
 
 
 def sample_rows(row_ks: np.ndarray | int) -> tuple[int, int]:
@@ -182,7 +234,7 @@ class AdaptiveDraftLength:
         # drafts, choice number)
         self._cache: tuple[list[int], list[bool], np.ndarray, bool, int] | None = None
         self._context = 0  # the last choice's context (refresh redoes its search)
-        self._weights: Weights = None  # and its weights
+        self._drain: DrainArg = None  # and its drain
         # A list to record every fresh evaluation in (benchmarks, diagnosis: what the choice saw), or None
         self.trace: list[dict] | None = None
         # Rows of the probed group that draft in this choice's step: PLAIN_PROBE_ROWS for a probe out of
@@ -197,14 +249,14 @@ class AdaptiveDraftLength:
         counts: np.ndarray | list[int],
         context: int = 0,
         behind: list[bool] | None = None,
-        weights: Weights = None,
+        drain: DrainArg = None,
     ) -> np.ndarray:
         """[G] k per group for a step with counts[g] speculating rows in group g (absent groups 0),
         context tokens in all (their sequences' lengths summed); behind [G]: the group has rows whose
-        draft must catch up first (plain steps ran; None: none); weights [G]: the group's rows
-        weighted by their share of the work left (see drain_weights; None: every row 1), or a
-        function giving them, called only when the choice is searched afresh. A reused all-plain
-        choice takes the plain-Python path: it runs before every plain step."""
+        draft must catch up first (plain steps ran; None: none); drain: the groups' rows weighted by
+        their share of the work left and their longest rows' tokens left (see drain_weights; None:
+        every row 1), or a function giving it, called only when the choice is searched afresh. A
+        reused all-plain choice takes the plain-Python path: it runs before every plain step."""
         behind = behind or [False] * len(GROUPS)
         key = [int(c) for c in counts]
         present = [g for g, c in enumerate(key) if c]
@@ -212,10 +264,10 @@ class AdaptiveDraftLength:
         if not present:
             return np.zeros(len(GROUPS), dtype=np.int64)
         self.num_choices += 1
-        self._context, self._weights = context, weights
+        self._context, self._drain = context, drain
         best = self._cached_best(key, behind)
         if best is None:
-            best = self._search(key, context, behind, weights)
+            best = self._search(key, context, behind, drain)
         assert self._cache is not None
         drafts = self._cache[3]
         period = PROBE_PERIOD if drafts else PLAIN_PROBE_PERIOD
@@ -230,7 +282,7 @@ class AdaptiveDraftLength:
                 self.probe_rows = PLAIN_PROBE_ROWS
         return ks
 
-    def choose_plain_again(self, context: int, weights: Weights = None) -> bool:
+    def choose_plain_again(self, context: int, drain: DrainArg = None) -> bool:
         """The cached all-plain choice once more, as choose would give it for the counts and behind
         flags it was made for (the caller knows they hold): True, counted as a choice, while it is
         fresh and no probe falls on this choice; else False with nothing changed (call choose)."""
@@ -241,7 +293,7 @@ class AdaptiveDraftLength:
         if n - cache[4] >= REFRESH_PLAIN or n % PLAIN_PROBE_PERIOD == 0:
             return False
         self.num_choices = n
-        self._context, self._weights = context, weights
+        self._context, self._drain = context, drain
         self.probe_rows = None
         return True
 
@@ -253,16 +305,14 @@ class AdaptiveDraftLength:
             return
         key, behind, _, drafts, made = self._cache
         if self.num_choices + 1 - made >= (REFRESH if drafts else REFRESH_PLAIN):
-            self._search(key, self._context, behind, self._weights)
+            self._search(key, self._context, behind, self._drain)
 
-    def _search(
-        self, key: list[int], context: int, behind: list[bool], weights: Weights = None
-    ) -> np.ndarray:
+    def _search(self, key: list[int], context: int, behind: list[bool], drain: DrainArg = None) -> np.ndarray:
         """The best ks [P] of the groups present for counts key [G] (cached as made at this choice)."""
-        if callable(weights):
-            weights = weights()
+        if callable(drain):
+            drain = drain()
         self.costs.ensure(sum(key))
-        grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind, weights)
+        grid, gain, cost = self.evaluate(np.array(key, dtype=np.int64), context, behind, drain)
         rates = gain / cost  # [N] modelled tokens per ms of every choice, column 0 the plain step
         pick = int(np.argmax(rates))
         if rates[pick] <= (1.0 + PLAIN_MARGIN) * rates[0]:
@@ -270,7 +320,7 @@ class AdaptiveDraftLength:
         best = grid[:, pick]
         self._cache = (key, behind, best, bool(best.any()), self.num_choices)
         if self.trace is not None:
-            self._record(key, best, rates, pick, cost[pick], context, behind, weights)
+            self._record(key, best, rates, pick, cost[pick], context, behind, drain)
         return best
 
     def _record(
@@ -282,13 +332,14 @@ class AdaptiveDraftLength:
         ms: float,
         context: int,
         behind: list[bool],
-        weights: list[float] | None = None,
+        drain: Drain | None = None,
     ) -> None:
         """One trace entry: the choice (best [P], the ks of the groups present; column pick of the
         grid) and what it was made from (rates [N]: modelled tokens per ms of every choice, column 0
         the plain step; ms: the choice's modelled time; the groups whose draft was behind and the
         learned switch cost; the learned overheads by kmax, the acceptance estimates; the drain
-        weights of the groups present, or None when every row counted alike)."""
+        weights and longest rows' tokens left of the groups present, or None when every row counted
+        alike)."""
         assert self.trace is not None
         present = [g for g, c in enumerate(counts) if c]
         self.trace.append({
@@ -304,7 +355,8 @@ class AdaptiveDraftLength:
             "switch_ms": round(self.costs.switch_ms(), 4),
             "overhead_ms": self.costs.overhead_ms(sum(counts)).round(4).tolist(),
             "rates": {GROUPS[g]: self.estimates.rates[g].round(4).tolist() for g in present},
-            "weights": None if weights is None else {GROUPS[g]: round(weights[g], 4) for g in present},
+            "weights": None if drain is None else {GROUPS[g]: round(drain.weights[g], 4) for g in present},
+            "longest": None if drain is None else {GROUPS[g]: drain.longest[g] for g in present},
         })  # fmt: skip
 
     def evaluate(
@@ -312,10 +364,11 @@ class AdaptiveDraftLength:
         counts: np.ndarray,
         context: int = 0,
         behind: list[bool] | None = None,
-        weights: list[float] | None = None,
+        drain: Drain | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every choice for the groups present: (grid [P, N] k of each present group, expected tokens
-        [N] (weighted by weights [G] where given), modelled ms [N]) for the N = (K+1)^P choices;
+        [N] (where a drain is given, weighted by its weights and counted as spread_factor says),
+        modelled ms [N]) for the N = (K+1)^P choices;
         context: tokens of context in all; behind [G]: a choice drafting with such a group first
         catches its draft up (the switch cost, spread over SWITCH_HORIZON)."""
         present = np.flatnonzero(counts)
@@ -323,7 +376,10 @@ class AdaptiveDraftLength:
         batch = int(counts.sum())
         grid = self._grid(present.size)  # [P, N]
         table = expected_tokens(self.estimates.rates[present])  # [P, K+1]
-        w = n if weights is None else np.asarray(weights, dtype=np.float64)[present]  # [P]
+        w = n
+        if drain is not None:
+            w = np.asarray(drain.weights, dtype=np.float64)[present]  # [P]
+            table = table * spread_factor(self.estimates.rates[present], drain, present)
         gain = (w[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
         kmax = grid.max(axis=0)  # [N]
         cost = self.costs.round_ms(batch)[kmax]  # [N]: draft forwards over every row, verify at kmax+1
@@ -432,7 +488,7 @@ class ForcedDraftLength:
         counts: np.ndarray,
         context: int = 0,
         behind: list[bool] | None = None,
-        weights: list[float] | None = None,
+        drain: DrainArg = None,
     ) -> np.ndarray:
         ks = np.asarray(self.pick(self.num_choices, np.asarray(counts)), dtype=np.int64)
         ks = np.clip(ks, 0, self.k_max)
