@@ -133,16 +133,16 @@ def spread_factor(rates: np.ndarray, drain: Drain, groups: np.ndarray) -> np.nda
     """[P, K+1] what a step's expected tokens count for in a draining batch, for the groups [P] with
     conditional rates [P, K] (see the module docstring): 1 / (1 + z_n sigma(k) / sqrt(E(k) L)); 1 at
     k = 0, for a group with at most one row that counts and while L < SPREAD_MIN_LEFT."""
-    reach = np.cumprod(rates, axis=1)  # [P, K] P(at least i+1 drafts accepted)
+    tokens = expected_tokens(rates)  # [P, K+1] E(k) = 1 + E[A], A the accepted drafts
     odd = 2 * np.arange(1, rates.shape[1] + 1) - 1  # E[A^2] = sum_i (2i - 1) P(A >= i)
-    zero = np.zeros((rates.shape[0], 1))
-    mean = np.concatenate([zero, np.cumsum(reach, axis=1)], axis=1)  # [P, K+1] accepted drafts
-    square = np.concatenate([zero, np.cumsum(odd * reach, axis=1)], axis=1)
-    sigma = np.sqrt(np.maximum(square - mean**2, 0.0))  # [P, K+1] of the tokens a step emits
+    square = np.concatenate(
+        [np.zeros((rates.shape[0], 1)), np.cumsum(odd * np.cumprod(rates, axis=1), axis=1)], axis=1
+    )
+    sigma = np.sqrt(np.maximum(square - (tokens - 1.0) ** 2, 0.0))  # [P, K+1] of the tokens a step emits
     longest = np.array([max(drain.longest[g], 1) for g in groups], dtype=np.float64)[:, None]  # [P, 1]
     z = np.array([expected_largest_normal(drain.weights[g]) for g in groups])[:, None]  # [P, 1]
     z[longest < SPREAD_MIN_LEFT] = 0.0
-    return 1.0 / (1.0 + z * sigma / np.sqrt((1.0 + mean) * longest))
+    return 1.0 / (1.0 + z * sigma / np.sqrt(tokens * longest))
 
 
 def sample_rows(row_ks: np.ndarray | int) -> tuple[int, int]:
