@@ -512,8 +512,9 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
 def test_engine_chooses_per_phase_group(monkeypatch):
     """The synthetic profile's phases (thinking for the first 100 tokens: every draft accepted; then
     answer: none) are the groups the chooser learns: thinking rows draft K, answer rows stop. (The two
-    rows drain; the spread term, tested apart, is off: K and K - 1 are within 1% on the CPU cost
-    model, and the estimates' spread below rate 1 would decide between them.)"""
+    rows drain; the spread term, tested apart, is off: the first choice, made at the prior rates
+    before any acceptance is seen, is close between K and K - 1, and with the term it drafts K - 1
+    for its 8 steps, 16 of the 44 thinking row-steps.)"""
     from thinkspec.spec_decode import draft_length
 
     monkeypatch.setattr(draft_length, "SPREAD_MIN_LEFT", 10**9)
