@@ -210,3 +210,20 @@ def test_rates_override_and_per_seed_figures(tmp_path):
     assert np.mean(row["per_seed"]["adaptive"]) == pytest.approx(row["tok_per_s"]["adaptive"])
     bad = _cli(str(src), "--answer-rates", "2", check=False)
     assert bad.returncode == 2 and "--answer-rates: conditional rates in [0, 1] needed" in bad.stderr
+
+
+def test_a_closed_batch_stays_plain_where_its_slowest_row_loses(monkeypatch):
+    """On step times measured at batch 64 where the chooser drafted at the start of closed batches and
+    lost to plain (0.944 on the device), the spread term keeps it within 3% of plain; off, it drafts
+    and loses over 5%. Same seeds and draws for both."""
+    from thinkspec.spec_decode import draft_length
+
+    src = ROOT / "benchmarks/results/2026-12-04-adaptive-h200-running-mean-b64-2.json"
+    result = json.loads(src.read_text())
+    k_max = result["k_max"]
+    ratio = {}
+    for name, min_left in (("kept", draft_length.SPREAD_MIN_LEFT), ("off", 10**9)):
+        monkeypatch.setattr(draft_length, "SPREAD_MIN_LEFT", min_left)
+        tok = [sim.simulate(result, 64, k_max, 2, s, switch_ms=30.0, draws="token") for s in range(3)]
+        ratio[name] = np.mean([t["adaptive"] / t["plain"] for t in tok])
+    assert ratio["kept"] > 0.97 and ratio["off"] < 0.95, ratio
