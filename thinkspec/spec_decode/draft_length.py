@@ -88,12 +88,8 @@ PLAIN_PROBE_ROWS = 4
 # The spread term (spread_factor) counts only while a group's longest row has this many tokens left.
 # It takes the rows that can be last as all L tokens from their end, which holds at the start of a
 # closed batch; near the end the rows are spread already (the drain weights see it) and it over-counts.
-# In the simulator on H200 step times (BENCHMARKS.md, thirty-third session), applied down to the last
-# token it took batch 16 from 1.005-1.007 of the best to 0.995; from 128 tokens on it leaves 4 and 16
-# as they were (1.003-1.007) and takes batch 64 from 0.939 to 0.975 on the step times of the call
-# where the chooser drafted at 64 (0.969-0.971 to 0.973-0.975 on the others). Past that point only the
-# switch cost keeps a closed batch that stayed plain from drafting again (the simulator with a free
-# switch: 64 back at 0.964-0.991).
+# Past this point only the switch cost keeps a closed batch that stayed plain from drafting again
+# (figures: docs/BENCHMARKS.md, "Figures behind code choices").
 SPREAD_MIN_LEFT = 128
 
 
