@@ -448,13 +448,10 @@ class Speculator:
         streak, self._streak = self._streak, None
         if streak is None:
             return
-        n, start, settled = self._plain_steps, streak.start, streak.settled
-        if n == start and settled is None:
+        if self._plain_steps == streak.start and streak.settled is None:
             return
-        for i, (seq, t) in enumerate(zip(streak.seqs, streak.thinking)):
-            done = n - (start if settled is None else settled.get(i, start))
-            if done > 0:
-                _request_metrics(seq).count_draft_length(0, t, done)
+        for i in range(len(streak.seqs)):
+            self._count_streak_row(streak, i)
 
     def settle(self, seq: Sequence) -> None:
         """Bring seq's per-request draft-length counts up to date (before its output is read)."""
@@ -464,14 +461,17 @@ class Speculator:
         if streak.index is None:
             streak.index, streak.settled = {id(s): i for i, s in enumerate(streak.seqs)}, {}
         i = streak.index.get(id(seq))
-        if i is None:
-            return
-        assert streak.settled is not None
-        n = self._plain_steps
-        done = n - streak.settled.get(i, streak.start)
+        if i is not None and self._count_streak_row(streak, i):
+            assert streak.settled is not None
+            streak.settled[i] = self._plain_steps
+
+    def _count_streak_row(self, streak: _Streak, i: int) -> bool:
+        """Count row i's plain steps of the streak not yet in its request's histogram; whether any were."""
+        last = streak.start if streak.settled is None else streak.settled.get(i, streak.start)
+        done = self._plain_steps - last
         if done > 0:
-            _request_metrics(seq).count_draft_length(0, streak.thinking[i], done)
-            streak.settled[i] = n
+            _request_metrics(streak.seqs[i]).count_draft_length(0, streak.thinking[i], done)
+        return done > 0
 
     def _drain_weights(
         self, groups: list[int], seqs: list[Sequence], rows: list[int] | range
@@ -497,16 +497,14 @@ class Speculator:
         plan, self._plan = self._plan, None
         assert plan is not None
         row_ks = plan.choice[3]
-        if plan.streak:  # a plain step of the streak: per request, its rows are counted there
+        if plan.choice[0]:
+            self.metrics.observe_draft_lengths(row_ks, np.array(plan.thinking, dtype=bool))
+        else:  # the plain step (every row 0): no numpy on this path, it runs before every plain step
             self.metrics.observe_plain_rows(sum(plan.thinking), len(plan.thinking))
+        if plan.streak:  # a plain step of the streak: per request, its rows are counted there
             self._plain_steps += 1
         else:
-            if plan.choice[0]:
-                self.metrics.observe_draft_lengths(row_ks, np.array(plan.thinking, dtype=bool))
-                ks = row_ks.tolist()
-            else:
-                self.metrics.observe_plain_rows(sum(plan.thinking), len(plan.thinking))
-                ks = [0] * len(plan.decodes)
+            ks = row_ks.tolist() if plan.choice[0] else [0] * len(plan.decodes)
             for seq, k, t in zip(plan.decodes, ks, plan.thinking):
                 _request_metrics(seq).count_draft_length(k, t)
         if plan.timed is None:
