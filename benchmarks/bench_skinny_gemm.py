@@ -38,7 +38,7 @@ import triton
 from bench_gemv import graph_us
 
 from thinkspec.layers import gemm_skinny_triton
-from thinkspec.layers.gemm_skinny_triton import MAX_ROWS, ROW_BUCKETS, Config, WideConfig, skinny_gemm
+from thinkspec.layers.gemm_skinny_triton import ROW_BUCKETS, Config, skinny_gemm
 
 # (name, N, K, layers)
 SHAPES = [
@@ -55,50 +55,42 @@ NUM_SMS = 132
 IN_FLIGHT = 64 * 1024  # bytes of weight tiles in flight per program that round 1 aims for
 
 
-def fits(m: int, cfg: Config | WideConfig, smem_bytes: int, glu: bool = False) -> bool:
-    # shared memory of num_stages buffers of a W tile (glu: two) and an x tile (rows padded to >= 16,
-    # or BLOCK_M rows of a WideConfig)
-    x_rows = cfg[0] if len(cfg) == 6 else max(16, triton.next_power_of_2(m))
-    block_n, block_k, _, _, stages = cfg[-5:]
+def fits(m: int, cfg: Config, smem_bytes: int, glu: bool = False) -> bool:
+    # shared memory of num_stages buffers of a W tile (glu: two) and an x tile (rows padded to >= 16)
+    block_n, block_k, _, _, stages = cfg
     w_rows = (2 if glu else 1) * block_n
-    return stages * (w_rows + x_rows) * block_k * 2 <= smem_bytes
+    return stages * (w_rows + max(16, triton.next_power_of_2(m))) * block_k * 2 <= smem_bytes
 
 
 def round_one(
     m: int, n: int, k: int, grid: dict[str, list[int]], smem_bytes: int, glu: bool = False
-) -> list[Config | WideConfig]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K) shapes at 4 warps and the stages nearest IN_FLIGHT (glu: no split);
-    past MAX_ROWS rows, WideConfigs: each of them at every --block-m."""
-    out: list[Config | WideConfig] = []
-    block_ms = grid["block_m"] if m > MAX_ROWS else [0]
-    for bm, bn, bk, split in itertools.product(block_ms, grid["block_n"], grid["block_k"], grid["split"]):
+) -> list[Config]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K) shapes at 4 warps and the stages nearest IN_FLIGHT (glu: no split)."""
+    out = []
+    for bn, bk, split in itertools.product(grid["block_n"], grid["block_k"], grid["split"]):
         if glu and split > 1:
             continue
-        programs = triton.cdiv(n, bn) * (triton.cdiv(m, bm) if bm else 1)
+        programs = triton.cdiv(n, bn)
         if split > 1 and (programs * (split // 2) >= 2 * NUM_SMS or k // (split * bk) < 4):
             continue  # the SMs already have work without this split, or slices too short to pipeline
         tile = (2 if glu else 1) * bn * bk * 2
         by_window = sorted(grid["stages"], key=lambda s: abs((s - 1) * tile - IN_FLIGHT))
-        shape = (bm,) if bm else ()
-        stages = next((s for s in by_window if fits(m, (*shape, bn, bk, split, 4, s), smem_bytes, glu)), None)
+        stages = next((s for s in by_window if fits(m, (bn, bk, split, 4, s), smem_bytes, glu)), None)
         if stages is not None:
-            out.append((*shape, bn, bk, split, 4, stages))  # type: ignore[arg-type]
+            out.append((bn, bk, split, 4, stages))
     return out
 
 
 def round_two(
-    m: int, best: list[Config | WideConfig], grid: dict[str, list[int]], smem_bytes: int, glu: bool = False
-) -> list[Config | WideConfig]:
-    """Every (warps, stages) of the grid for the given shapes; 8 warps only for tiles of >= 16K elements
-    (a WideConfig's tile: BLOCK_N x BLOCK_M outputs of >= 8K)."""
-    out: list[Config | WideConfig] = []
-    for cfg0 in best:
-        shape, (bn, bk, split, _, _) = cfg0[:-5], cfg0[-5:]
-        big = bn * shape[0] >= 128 * 64 if shape else bn * bk >= 128 * 128
+    m: int, best: list[Config], grid: dict[str, list[int]], smem_bytes: int, glu: bool = False
+) -> list[Config]:
+    """Every (warps, stages) of the grid for the given shapes; 8 warps only for tiles of >= 16K elements."""
+    out = []
+    for bn, bk, split, _, _ in best:
         for warps, stages in itertools.product(grid["warps"], grid["stages"]):
-            cfg = (*shape, bn, bk, split, warps, stages)
-            if (warps <= 4 or big) and fits(m, cfg, smem_bytes, glu):  # type: ignore[arg-type]
-                out.append(cfg)  # type: ignore[arg-type]
+            cfg = (bn, bk, split, warps, stages)
+            if (warps <= 4 or bn * bk >= 128 * 128) and fits(m, cfg, smem_bytes, glu):
+                out.append(cfg)
     return out
 
 
@@ -138,11 +130,9 @@ def bench_cell(name, n, k, m, ws, timer, grid, args) -> dict:
         cublas = timer(lambda: [silu_and_mul(F.linear(x, w)) for w in ws]) / layers
     else:
         cublas = timer(lambda: [F.linear(x, w) for w in ws]) / layers
-    flop_us = 2 * m * n * k / args.flops * 1e6  # the compute floor, which binds past ~300 rows
-    row = dict(shape=name, n=n, k=k, rows=m, floor_us=floor_us, flop_floor_us=flop_us, cublas_us=cublas,
-               triton={}, skipped={})  # fmt: skip
+    row = dict(shape=name, n=n, k=k, rows=m, floor_us=floor_us, cublas_us=cublas, triton={}, skipped={})
 
-    def run(cfgs: list[Config | WideConfig]) -> None:
+    def run(cfgs: list[Config]) -> None:
         for cfg in cfgs:
             key = ",".join(map(str, cfg))
             if key in row["triton"] or key in row["skipped"]:
@@ -163,9 +153,7 @@ def bench_cell(name, n, k, m, ws, timer, grid, args) -> dict:
     row.update(best=key, best_us=row["triton"][key])
     print(f"{name:<8} rows {m:>2}  floor {floor_us:7.1f}  cublas {cublas:7.1f} ({cublas / floor_us:.2f}x)  "
           f"triton {row['best_us']:7.1f} ({row['best_us'] / floor_us:.2f}x floor, "
-          f"{row['best_us'] / cublas:.2f}x cublas) [{key}] of {len(row['triton'])}; "
-          f"TFLOP/s cublas {2 * m * n * k / cublas / 1e6:.0f}, "
-          f"triton {2 * m * n * k / row['best_us'] / 1e6:.0f}", flush=True)  # fmt: skip
+          f"{row['best_us'] / cublas:.2f}x cublas) [{key}] of {len(row['triton'])}", flush=True)  # fmt: skip
     return row
 
 
@@ -221,7 +209,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="4,8,16,32,64")
     ap.add_argument("--block-n", default="32,64,128")
-    ap.add_argument("--block-m", default="64,128", help="rows per tile past 64 rows (a verify's B x (k + 1))")
     ap.add_argument("--block-k", default="64,128,256")
     ap.add_argument("--split", default="1,2,4")
     ap.add_argument("--warps", default="4,8")
@@ -230,7 +217,6 @@ def main() -> None:
     ap.add_argument("--smem-kib", type=int, default=227, help="shared memory per block (H200: 227 KiB)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--bandwidth", type=float, default=4.21e12)
-    ap.add_argument("--flops", type=float, default=790e12, help="bf16 tensor-core rate of the compute floor")
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--small", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1): a smoke run"
@@ -249,8 +235,7 @@ def main() -> None:
         return
     gemm_skinny_triton.TMA = not args.no_tma
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    names = ("block_m", "block_n", "block_k", "split", "warps", "stages")
-    grid = {name: ints(getattr(args, name)) for name in names}
+    grid = {name: ints(getattr(args, name)) for name in ("block_n", "block_k", "split", "warps", "stages")}
     if args.small:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--small runs the kernels on CPU: set TRITON_INTERPRET=1")
@@ -272,8 +257,8 @@ def main() -> None:
         ws.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    summed = [m for m in ints(args.rows) if m in (16, 64, 320)]
-    totals = [] if args.glu else step_totals(rows_out, shapes, summed, args.bandwidth)
+    totals = [] if args.glu else step_totals(rows_out, shapes, [m for m in ints(args.rows) if m in (16, 64)],
+                                             args.bandwidth)  # fmt: skip
     print(f"{time.perf_counter() - start:.0f} s")
     if args.out:
         device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"

@@ -53,11 +53,8 @@ MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
 MAX_ROWS = 64
 ROW_BUCKETS = (4, 8, 16, 32, 64)  # the row counts bench_skinny_gemm measures; rows round up to one
 
-# Launch config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the rows in one tile.
+# Launch config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 Config = tuple[int, int, int, int, int]
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): up to WIDE_MAX_ROWS rows in tiles of BLOCK_M
-WideConfig = tuple[int, int, int, int, int, int]
-WIDE_MAX_ROWS = 512
 
 # The measured winners: (rows bucket, N, K) -> the launch config that beat cuBLAS there on the H200.
 # `Linear` (layers/linear.py) sends a product to this kernel only when its (bucket, N, K) is a key;
@@ -167,12 +164,10 @@ def _skinny_gemm_kernel(
     TMA: tl.constexpr,  # x_ptr, w_ptr are tensor descriptors of [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K] tiles
     X_DTYPE: tl.constexpr,  # x's element type: GLU rounds SiLU(gate) and up to it, as the unfused pair does
 ):
-    # row tiles vary fastest, so the row tiles of one weight tile run together and share its read
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -190,7 +185,7 @@ def _skinny_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if TMA:  # whole tiles from the copy engine, zeros past the tensor's edges: no masks
             w = w_ptr.load([pid_n * BLOCK_N, k0])
-            x = x_ptr.load([pid_m * BLOCK_M, k0])
+            x = x_ptr.load([0, k0])
         elif EVEN_K:
             w = tl.load(w_base + k0, eviction_policy="evict_first")
             x = tl.load(x_base + k0)
@@ -316,7 +311,7 @@ def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: Config | WideConfig | None = None,
+    config: Config | None = None,
     glu: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -338,7 +333,7 @@ def skinny_gemm_rms_norm(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    config: Config | WideConfig | None = None,
+    config: Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K], weight [N, K], bias [N] or None, residual [M, N], norm_weight [N] (all of x's dtype,
     bf16 or fp16) -> (RMSNorm(h + residual), h + residual), both [M, N], with h = x @ weight.T + bias:
@@ -372,7 +367,7 @@ def _skinny_product(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    config: Config | WideConfig | None,
+    config: Config | None,
     glu: bool,
     out: torch.Tensor | None,
     keep_partials: bool,
@@ -383,26 +378,20 @@ def _skinny_product(
         raise ValueError(
             f"skinny_gemm takes bf16 or fp16 operands of one dtype, got {x.dtype}, {weight.dtype}"
         )
-    tiled = config is not None and len(config) == 6  # a WideConfig: rows in tiles of BLOCK_M
-    max_rows = WIDE_MAX_ROWS if tiled else MAX_ROWS
-    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, max_rows, glu, out)
+    x, weight, y, done = product_operands("skinny_gemm", x, weight, bias, MAX_ROWS, glu, out)
     if done:
         return y
     (m, k), n = x.shape, y.shape[1]
-    if tiled:
-        block_m, block_n, block_k, split, warps, stages = config  # type: ignore[misc]
-    else:
-        block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k, glu)  # type: ignore[misc]
-        block_m = max(16, triton.next_power_of_2(m))
+    block_n, block_k, split, warps, stages = config or skinny_gemm_config(m, n, k, glu)
     steps = triton.cdiv(k, block_k)
     split = 1 if glu else max(1, min(split, steps))
     k_per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     b = bias if bias is not None else weight
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    grid = (triton.cdiv(n, block_n), split)
     pdl = launch_args(x.device)
     meta = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         DOT_F32=x.device.type == "cpu", TMA=use_tma(x, weight), X_DTYPE=_TL_DTYPES[x.dtype], num_warps=warps,
         num_stages=stages, **pdl,
     )  # fmt: skip
