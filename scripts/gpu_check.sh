@@ -32,6 +32,8 @@
 #   skinny      Qwen3-8B projections at 4..64 rows: cuBLAS vs the skinny Triton GEMM's launch shapes, the
 #               per-step totals at rows 16 and 64, and the SKINNY_GEMM_TABLE entries it implies
 #               (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g. "--rows 16,64 --refine 1")
+#   chain       the batch-64 verify's products on cuBLAS as one CUDA graph: replay time against the kernels' own,
+#               i.e. what the boundaries between cuBLAS launches cost (benchmarks/bench_cublas_chain.py; CHAIN_ARGS)
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
 #               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256"; with
 #               "--layouts nhd,hnd --repeats 3" the KV blocks head-major as well, side by side)
@@ -178,6 +180,12 @@ if has skinny; then
   record skinny "$rc" "${SKINNY_TIMEOUT:-300}"
 fi
 
+if has chain; then
+  timeout "${CHAIN_TIMEOUT:-120}" $PY benchmarks/bench_cublas_chain.py --out "$OUT/chain.json" ${CHAIN_ARGS:-} 2>&1 \
+    | tee "$OUT/chain.log"
+  record chain "${PIPESTATUS[0]}" "${CHAIN_TIMEOUT:-120}"
+fi
+
 if has attention; then
   timeout "${ATTENTION_TIMEOUT:-240}" $PY benchmarks/bench_attention.py --out "$OUT/attention.json" \
     ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log"
@@ -321,7 +329,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in host spec_round projection adaptive throughput gemv argmax skinny acceptance step toy_quality sweep tp; do
+for f in host spec_round projection adaptive throughput gemv argmax skinny chain acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"
