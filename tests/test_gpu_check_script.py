@@ -92,15 +92,18 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
 
 
-@pytest.mark.parametrize("stage", ["adaptive", "overlap", "overhead", "bookkeeping"])
+@pytest.mark.parametrize("stage", ["adaptive", "overlap", "overhead", "bookkeeping", "chain"])
 def test_stage_passes_its_args_and_is_time_boxed(tmp_path, stage):
-    scripts = {"overhead": "toy_plain_overhead", "bookkeeping": "bench_plain_bookkeeping"}
+    scripts = {"overhead": "toy_plain_overhead", "bookkeeping": "bench_plain_bookkeeping",
+               "chain": "bench_cublas_chain"}  # fmt: skip
     script = scripts.get(stage, f"bench_{stage}")
     rc, stdout, summary = _run(tmp_path, stage, **{f"{stage.upper()}_ARGS": "--batch-sizes 1,16 --repeats 1"})
     assert rc == 0 and f"{stage}: ok" in summary.splitlines()
     assert f"fake run: benchmarks/{script}.py --out" in stdout and "--batch-sizes 1,16 --repeats 1" in stdout
     rc, _, summary = _run(tmp_path, stage, FAKE_HANG=script, **{f"{stage.upper()}_TIMEOUT": "1"})
     assert rc != 0 and f"{stage}: TIMED OUT after 1s" in summary.splitlines()
+    rc, _, summary = _run(tmp_path, stage, FAKE_FAIL=script)  # a failing benchmark fails its stage
+    assert rc != 0 and f"{stage}: FAILED (exit 3)" in summary.splitlines()
 
 
 def test_tp_stage_runs_the_gpu_test_and_the_benchmark(tmp_path):
