@@ -146,26 +146,6 @@ def test_estimates_forget_old_acceptance():
     assert est.rates[ANSWER, 1] > est.rates[ANSWER, 0]  # still weighs its 0.9-era tries
 
 
-def test_a_position_no_longer_drafted_fades_into_the_pooled_rate():
-    """Rows drafted K while draft K was accepted 40% of the time given the ones before, then K - 1 (draft
-    K never tried again) with every position accepting 85%: within four windows the last position's
-    estimate leaves its old counts for the group's pooled rate, as an untried position's should, instead
-    of keeping them until probes (one try every PROBE_PERIOD choices) wear them down, which held the
-    choice at K - 1 where K pays (BENCHMARKS.md, thirty-fourth session)."""
-    rng = np.random.default_rng(3)
-    est = AcceptanceEstimates(K)
-    first = np.array([0.85] * (K - 1) + [0.4])
-    for _ in range(int(4 / est.alpha)):
-        accepted = np.cumprod(rng.random(K) < first).sum()
-        est.observe(np.array([THINKING]), np.array([K]), np.array([accepted]))
-    assert est.rates[THINKING, K - 1] < 0.7
-    for _ in range(int(4 / est.alpha)):
-        accepted = np.cumprod(rng.random(K - 1) < 0.85).sum()
-        est.observe(np.array([THINKING]), np.array([K - 1]), np.array([accepted]))
-    assert est.tries[THINKING, K - 1] < 1.0  # its own counts faded with the group's tries
-    assert abs(est.rates[THINKING, K - 1] - 0.85) < 0.08
-
-
 def test_choice_follows_acceptance_per_group():
     # One verify forward pads every row to the longest window, so what an answer row's drafts cost
     # is the draft forwards that run it, 0.05 ms per row here, from the second on (the first runs

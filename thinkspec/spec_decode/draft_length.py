@@ -203,15 +203,12 @@ class AcceptanceEstimates:
         t, a = onehot @ tried, onehot @ accepted  # [G, K] each
         weight = np.minimum(1.0 - (1.0 - self.alpha) ** t, self.max_weight)  # [G, K], 0 where untried
         added = weight / self.alpha  # [G, K] tries the step counts as
-        seen = t.any(axis=1)  # [G]
-        # the share of a window the step's tries take, as for a position's counts: the prior ages with them,
-        # and so do the counts of the positions the group did not try (beyond its window), which thus
-        # fade into the pooled rate instead of keeping what they saw when last drafted
-        step = np.minimum(1.0 - (1.0 - self.alpha) ** t.sum(axis=1), self.max_weight)  # [G]
-        fade = np.where((t == 0) & seen[:, None], step[:, None], weight)  # [G, K]
-        self.tries = (1.0 - fade) * self.tries + added
+        self.tries = (1.0 - weight) * self.tries + added
         ratio = np.divide(a, t, out=np.zeros_like(a), where=t > 0)  # [G, K] the step's acceptance
-        self.accepts = (1.0 - fade) * self.accepts + added * ratio
+        self.accepts = (1.0 - weight) * self.accepts + added * ratio
+        seen = t.any(axis=1)  # [G]
+        # the share of a window the step's tries take, as for a position's counts: the prior ages with them
+        step = np.minimum(1.0 - (1.0 - self.alpha) ** t.sum(axis=1), self.max_weight)  # [G]
         self.prior_tries *= 1.0 - step
         # the group's rate over all its positions, the prior among them
         prior = self.prior_tries[seen]  # [g]
