@@ -4,9 +4,10 @@ Builds Qwen3-8B's qkv, o, gate_up and down weights for every layer (bf16, distin
 they do not sit in L2), captures F.linear over --rows rows for the layers one after another (the order
 of a forward), and reports the median replay time against the sum of the kernels' device times
 (torch.profiler over --profiled replays). The difference is what the boundaries between the launches
-cost: cuBLAS kernels start only once the kernel before them has finished (no programmatic dependent
-launch), unlike the engine's Triton kernels (layers/pdl.py). At 320 rows (batch 64 x k + 1 = 5) the
-products are the verify's; docs/BENCHMARKS.md sets the figures against its 8.5 ms bound.
+cost: as torch launches them, cuBLAS kernels start only once the kernel before them has finished (no
+programmatic dependent launch), unlike the engine's Triton kernels (layers/pdl.py). At 320 rows
+(batch 64 x k + 1 = 5) the products are the verify's; docs/BENCHMARKS.md sets the figures against its
+8.5 ms bound.
 
     python benchmarks/bench_cublas_chain.py --rows 320 --out chain.json
 """
