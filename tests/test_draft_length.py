@@ -906,7 +906,7 @@ def test_spread_factor_from_the_tokens_a_step_emits():
     out here from their distribution; 1 at k = 0, for one row, and below SPREAD_MIN_LEFT tokens left."""
     rates = np.array([[0.8, 0.7, 0.9, 0.6], [0.5, 0.5, 0.5, 0.5]])
     drain = Drain([0.0, 16.0, 4.0], [0, 300, 200])
-    got = spread_factor(rates, drain, np.array([THINKING, THINKING_RELAXED]))
+    got = spread_factor(expected_tokens(rates), drain, np.array([THINKING, THINKING_RELAXED]))
     for p, (n, left) in enumerate(((16.0, 300), (4.0, 200))):
         for k in range(K + 1):
             probs = _tokens_per_step(rates[p], k)
@@ -916,9 +916,9 @@ def test_spread_factor_from_the_tokens_a_step_emits():
             want = 1.0 / (1.0 + expected_largest_normal(n) * sigma / np.sqrt(mean * left))
             assert got[p, k] == pytest.approx(want)
     assert np.all(got[:, 0] == 1.0) and np.all(got[:, 1:] < 1.0)
-    one_row = spread_factor(rates, Drain([0.0, 1.0, 0.0], [0, 300, 0]), np.array([THINKING]))
+    one_row = spread_factor(expected_tokens(rates), Drain([0.0, 1.0, 0.0], [0, 300, 0]), np.array([THINKING]))
     near_end = Drain([0.0, 16.0, 0.0], [0, SPREAD_MIN_LEFT - 1, 0])
-    near_end = spread_factor(rates, near_end, np.array([THINKING]))
+    near_end = spread_factor(expected_tokens(rates), near_end, np.array([THINKING]))
     assert np.all(one_row == 1.0) and np.all(near_end == 1.0)
 
 
@@ -936,8 +936,9 @@ def test_spread_factor_predicts_when_a_closed_batchs_last_row_ends():
             done += rng.choice(np.arange(1, k + 2), size=rows, p=probs)
             steps += 1
         last.append(steps)
-    mean_tokens = expected_tokens(rates)[0, k]
-    factor = spread_factor(rates, Drain([0.0, float(rows), 0.0], [0, left, 0]), np.array([THINKING]))[0, k]
+    table = expected_tokens(rates)
+    mean_tokens = table[0, k]
+    factor = spread_factor(table, Drain([0.0, float(rows), 0.0], [0, left, 0]), np.array([THINKING]))[0, k]
     assert left / (mean_tokens * factor) == pytest.approx(np.mean(last), rel=0.04)
     assert left / mean_tokens < 0.92 * np.mean(last)
 

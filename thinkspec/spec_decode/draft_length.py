@@ -127,15 +127,14 @@ def expected_largest_normal(n: float) -> float:
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def spread_factor(rates: np.ndarray, drain: Drain, groups: np.ndarray) -> np.ndarray:
-    """[P, K+1] what a step's expected tokens count for in a draining batch, for the groups [P] with
-    conditional rates [P, K] (see the module docstring): 1 / (1 + z_n sigma(k) / sqrt(E(k) L)); 1 at
-    k = 0, for a group with at most one row that counts and while L < SPREAD_MIN_LEFT."""
-    tokens = expected_tokens(rates)  # [P, K+1] E(k) = 1 + E[A], A the accepted drafts
-    odd = 2 * np.arange(1, rates.shape[1] + 1) - 1  # E[A^2] = sum_i (2i - 1) P(A >= i)
-    square = np.concatenate(
-        [np.zeros((rates.shape[0], 1)), np.cumsum(odd * np.cumprod(rates, axis=1), axis=1)], axis=1
-    )
+def spread_factor(tokens: np.ndarray, drain: Drain, groups: np.ndarray) -> np.ndarray:
+    """[P, K+1] what a step's expected tokens count for in a draining batch, for the groups [P] whose
+    steps drafting k emit E(k) = tokens[:, k] expected tokens (expected_tokens; see the module
+    docstring): 1 / (1 + z_n sigma(k) / sqrt(E(k) L)); 1 at k = 0, for a group with at most one row
+    that counts and while L < SPREAD_MIN_LEFT."""
+    reach = np.diff(tokens, axis=1)  # [P, K] P(A >= i), A the accepted drafts: E(k) = 1 + sum_{i<=k}
+    odd = 2 * np.arange(1, reach.shape[1] + 1) - 1  # E[A^2] = sum_i (2i - 1) P(A >= i)
+    square = np.concatenate([np.zeros((reach.shape[0], 1)), np.cumsum(odd * reach, axis=1)], axis=1)
     sigma = np.sqrt(np.maximum(square - (tokens - 1.0) ** 2, 0.0))  # [P, K+1] of the tokens a step emits
     longest = np.array([max(drain.longest[g], 1) for g in groups], dtype=np.float64)[:, None]  # [P, 1]
     z = np.array([expected_largest_normal(drain.weights[g]) for g in groups])[:, None]  # [P, 1]
@@ -377,7 +376,7 @@ class AdaptiveDraftLength:
         w = n
         if drain is not None:
             w = np.asarray(drain.weights, dtype=np.float64)[present]  # [P]
-            table = table * spread_factor(self.estimates.rates[present], drain, present)
+            table = table * spread_factor(table, drain, present)
         gain = (w[:, None] * np.take_along_axis(table, grid, axis=1)).sum(axis=0)  # [N]
         kmax = grid.max(axis=0)  # [N]
         cost = self.costs.round_ms(batch)[kmax]  # [N]: draft forwards over every row, verify at kmax+1
