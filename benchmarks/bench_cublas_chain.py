@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_gemv import capture_graph, replay_us
 from torch.profiler import ProfilerActivity, profile
 
 # (name, N, K) of the products of one Qwen3-8B layer, in forward order
@@ -48,27 +49,10 @@ def main() -> None:
             for (_, _, k), w in zip(LAYER, layer):
                 F.linear(xs[k], w)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # cuBLAS picks and allocates its workspace outside the capture
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
+    graph = capture_graph(chain)
     for _ in range(5):
         graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / args.replays)
-    times.sort()
+    times = [us / 1e3 for us in replay_us(graph, args.replays, args.repeats)]  # ms, sorted
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.profiled):
             graph.replay()

@@ -34,8 +34,9 @@ SHAPES = [
 # epilogue (N weight rows, N / 2 outputs)
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    """Median microseconds of one replay of a CUDA graph of fn()."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(), run once on a side stream first (lazy set-up, cuBLAS workspaces) and
+    replayed once after capture."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -45,8 +46,13 @@ def graph_us(fn, reps: int = 20) -> float:
     with torch.cuda.graph(g):
         fn()
     g.replay()
+    return g
+
+
+def replay_us(g: torch.cuda.CUDAGraph, reps: int = 20, batches: int = 5) -> list[float]:
+    """Microseconds of one replay of g, from each of `batches` runs of `reps` replays, sorted."""
     times = []
-    for _ in range(5):
+    for _ in range(batches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -54,7 +60,13 @@ def graph_us(fn, reps: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one replay of a CUDA graph of fn()."""
+    times = replay_us(capture_graph(fn), reps)
+    return times[len(times) // 2]
 
 
 def main() -> None:
