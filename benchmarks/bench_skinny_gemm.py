@@ -1,10 +1,11 @@
 """Decode-step products at 4..64 rows: cuBLAS (F.linear) vs the skinny Triton GEMM, side by side.
 
-For each Qwen3-8B projection (bf16) and each row count (batch), builds one weight per layer (so the
-weights of a step do not fit in L2, as in a real step), captures a CUDA graph of the layers'
-products one after another (bench_gemv.graph_us), and reports microseconds per product against the
-weight-read floor (weight bytes / --bandwidth) and cuBLAS, for cuBLAS and the skinny GEMM's launch
-shapes; each launch shape's result is checked against F.linear before it is timed.
+For each Qwen3-8B projection (bf16; with --model 0.6b Qwen3-0.6B's, the draft's) and each row count
+(batch), builds one weight per layer (so the weights of a step do not fit in L2, as in a real step),
+captures a CUDA graph of the layers' products one after another (bench_gemv.graph_us), and reports
+microseconds per product against the weight-read floor (weight bytes / --bandwidth) and cuBLAS, for
+cuBLAS and the skinny GEMM's launch shapes; each launch shape's result is checked against F.linear
+before it is timed.
 
 The launch-shape search runs in two rounds per (projection, rows), to stay within a few minutes:
   1. every (BLOCK_N, BLOCK_K, SPLIT_K) of the grid at 4 warps and the stage count nearest to 64 KiB
@@ -45,11 +46,17 @@ SHAPES = [
     ("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
     ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1),
 ]  # fmt: skip
+# --model 0.6b: Qwen3-0.6B's, the draft's (a speculative step's draft forwards run at the batch's rows)
+DRAFT_SHAPES = [
+    ("qkv", 4096, 1024, 28), ("o", 1024, 2048, 28), ("gate_up", 6144, 1024, 28),
+    ("down", 1024, 3072, 28), ("lm_head", 151936, 1024, 1),
+]  # fmt: skip
 SMALL_SHAPES = [("qkv", 96, 128, 2), ("o", 64, 128, 2), ("gate_up", 160, 128, 2), ("down", 64, 256, 2),
                 ("lm_head", 300, 128, 1)]  # fmt: skip
 # --glu: gate_up with SiLU(gate) * up fused (N = the outputs, from 2N weight rows), against cuBLAS's
 # gate_up product followed by the silu_and_mul launch
 GLU_SHAPES = [("gate_up_silu", 12288, 4096, 36)]
+DRAFT_GLU_SHAPES = [("gate_up_silu", 3072, 1024, 28)]
 SMALL_GLU_SHAPES = [("gate_up_silu", 80, 128, 2)]
 NUM_SMS = 132
 IN_FLIGHT = 64 * 1024  # bytes of weight tiles in flight per program that round 1 aims for
@@ -216,6 +223,7 @@ def main() -> None:
     ap.add_argument("--refine", type=int, default=2, help="round-1 shapes tried at every warps/stages")
     ap.add_argument("--smem-kib", type=int, default=227, help="shared memory per block (H200: 227 KiB)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--model", choices=("8b", "0.6b"), default="8b", help="Qwen3-8B's or 0.6B's projections")
     ap.add_argument("--bandwidth", type=float, default=4.21e12)
     ap.add_argument("--out", default=None)
     ap.add_argument(
@@ -242,7 +250,9 @@ def main() -> None:
         dev, shapes = torch.device("cpu"), SMALL_GLU_SHAPES if args.glu else SMALL_SHAPES
         grid.update(block_k=[b for b in grid["block_k"] if b <= 128])
     else:
-        dev, shapes = torch.device("cuda"), GLU_SHAPES if args.glu else SHAPES
+        dev, draft = torch.device("cuda"), args.model == "0.6b"
+        glu_shapes, plain_shapes = (DRAFT_GLU_SHAPES, DRAFT_SHAPES) if draft else (GLU_SHAPES, SHAPES)
+        shapes = glu_shapes if args.glu else plain_shapes
     if not args.glu:
         wanted = set(args.shapes.split(","))
         shapes = [s for s in shapes if s[0] in wanted]
@@ -262,8 +272,8 @@ def main() -> None:
     print(f"{time.perf_counter() - start:.0f} s")
     if args.out:
         device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
-        result = dict(device=device, bandwidth=args.bandwidth, grid=grid, glu=args.glu, tma=not args.no_tma,
-                      rows=rows_out, step_totals=totals)  # fmt: skip
+        result = dict(device=device, model=args.model, bandwidth=args.bandwidth, grid=grid, glu=args.glu,
+                      tma=not args.no_tma, rows=rows_out, step_totals=totals)  # fmt: skip
         result["table"] = [dict(rows=key[0], n=key[1], k=key[2], config=cfg)
                            for key, cfg in table_entries(result, args.min_gain).items()]  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=1))

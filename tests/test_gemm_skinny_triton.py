@@ -62,11 +62,15 @@ def _operands(m: int, n: int, k: int, bias: bool, dtype=torch.bfloat16, seed: in
 
 def test_config_fits_the_shape():
     for rows in (3, 16, 64):
-        for n, k in ((4096, 4096), (6144, 4096), (4096, 12288), (151936, 4096), (37, 100)):
+        for n, k in ((4096, 4096), (6144, 4096), (4096, 12288), (151936, 4096), (37, 100), *DRAFT_SHAPES):
             block_n, block_k, split, warps, stages = gs.skinny_gemm_config(rows, n, k)
             assert block_n in (32, 64, 128) and block_k & (block_k - 1) == 0 and 16 <= block_k <= 256
             assert split in (1, 2, 4) and warps in (4, 8) and stages >= 1
             assert split == 1 or triton_cdiv(n, block_n) < 264  # split only when SMs would idle
+
+
+# Qwen3-0.6B's (the draft's) products as (N, K): q/k/v, o, gate_up, down, lm_head
+DRAFT_SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -80,12 +84,33 @@ def test_row_buckets():
 def test_lm_head_goes_to_the_skinny_gemm_at_3_to_64_rows():
     # The table's lm_head entries (4 to 64 rows) beat cuBLAS in bench_skinny_gemm; one and two rows stay
     # on cuBLAS (the weight is past GEMV_MAX_WEIGHT), and so does the verify's 65 rows and more
-    lm_head = linear.Linear(4096, 151936, bias=False, device="meta", dtype=torch.bfloat16)
-    lm_head.gemv = lm_head.skinny_gemm = True
-    for rows in (1, 2, 3, 8, 16, 17, 32, 33, 64, 65, 320):
-        want = "skinny" if 3 <= rows <= 64 else None
-        x = torch.empty(rows, 4096, device="meta", dtype=torch.bfloat16)
-        assert lm_head.triton_kernel(x) == want, rows
+    for hidden in (4096, 1024):  # Qwen3-8B's and Qwen3-0.6B's (the draft's)
+        lm_head = linear.Linear(hidden, 151936, bias=False, device="meta", dtype=torch.bfloat16)
+        lm_head.gemv = lm_head.skinny_gemm = True
+        for rows in (1, 2, 3, 8, 16, 17, 32, 33, 64, 65, 320):
+            want = "skinny" if 3 <= rows <= 64 else None
+            x = torch.empty(rows, hidden, device="meta", dtype=torch.bfloat16)
+            assert lm_head.triton_kernel(x) == want, (hidden, rows)
+
+
+def test_the_drafts_products_go_to_the_skinny_gemm_at_3_to_64_rows():
+    # Qwen3-0.6B's q/k/v, o and down beat cuBLAS at every bucket (bench_skinny_gemm --model 0.6b), and its
+    # gate_up with SiLU * up fused; one and two rows go to the GEMV (not the lm_head), more than 64 to cuBLAS
+    for n, k in DRAFT_SHAPES:
+        layer = linear.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
+        layer.gemv = layer.skinny_gemm = True
+        for rows in (1, 2, 3, 5, 16, 33, 64, 65, 128):
+            small = "gemv" if n * k <= linear.GEMV_MAX_WEIGHT else None  # lm_head: cuBLAS, as above
+            want = small if rows <= 2 else "skinny" if rows <= 64 else None
+            x = torch.empty(rows, k, device="meta", dtype=torch.bfloat16)
+            assert layer.triton_kernel(x) == want, (n, k, rows)
+    gate_up = linear.Linear(1024, 6144, bias=False, device="meta", dtype=torch.bfloat16)
+    gate_up.gemv = gate_up.skinny_gemm = True
+    for rows in (3, 8, 64):
+        assert (
+            gate_up.triton_kernel(torch.empty(rows, 1024, device="meta", dtype=torch.bfloat16), glu=True)
+            == "skinny"
+        )
 
 
 def test_rejects_bad_operands():
@@ -477,7 +502,7 @@ def test_interp_paged_model_runs_the_norms_in_the_sum_launches(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize(
-    ("n", "k"), [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+    ("n", "k"), [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), *DRAFT_SHAPES]
 )
 @pytest.mark.parametrize("m", [3, 16, 64])
 def test_gpu_matches_cublas_at_model_shapes(n, k, m):
@@ -513,16 +538,17 @@ def test_gpu_replays_in_a_cuda_graph(split):
 @gpu
 @pytest.mark.parametrize("m", [3, 16, 64])
 @pytest.mark.parametrize("config", [None, (32, 128, 1, 4, 4), (64, 128, 1, 4, 3)])
-def test_gpu_glu_matches_the_two_launches(m, config):
-    # Qwen3-8B's gate_up (2 x 12288 rows) with SiLU(gate) * up in the epilogue, against the unfused
-    # product at the same launch shape followed by silu_and_mul
+@pytest.mark.parametrize(("inter", "hidden"), [(12288, 4096), (3072, 1024)])
+def test_gpu_glu_matches_the_two_launches(m, config, inter, hidden):
+    # Qwen3-8B's gate_up (2 x 12288 rows) and Qwen3-0.6B's (2 x 3072) with SiLU(gate) * up in the
+    # epilogue, against the unfused product at the same launch shape followed by silu_and_mul
     from thinkspec.layers.fused_triton import silu_and_mul
 
     g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(24576, 4096, device="cuda", generator=g) * 0.05).bfloat16()
-    b = torch.randn(24576, device="cuda", generator=g).bfloat16()
-    cfg = config or gs.skinny_gemm_config(m, 12288, 4096, glu=True)
+    x = torch.randn(m, hidden, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    b = torch.randn(2 * inter, device="cuda", generator=g).bfloat16()
+    cfg = config or gs.skinny_gemm_config(m, inter, hidden, glu=True)
     fused = skinny_gemm(x, w, b, config=config, glu=True)
     two = silu_and_mul(skinny_gemm(x, w, b, config=cfg))
     err = (fused.float() - two.float()).abs()
@@ -532,11 +558,11 @@ def test_gpu_glu_matches_the_two_launches(m, config):
 
 @gpu
 @torch.inference_mode()
-@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288)])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288), (1024, 2048), (1024, 3072)])
 @pytest.mark.parametrize("m", [4, 8, 16, 64])
 def test_gpu_rms_norm_in_the_sum_launch_is_the_two_launches(n, k, m):
-    # Qwen3-8B's o and down with the residual add + RMSNorm after them, at the launch shapes the
-    # tables give (split or not): the same bits as the product, then fused_triton.rms_norm
+    # Qwen3-8B's and Qwen3-0.6B's o and down with the residual add + RMSNorm after them, at the launch
+    # shapes the tables give (split or not): the same bits as the product, then fused_triton.rms_norm
     from thinkspec.layers.fused_triton import rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(m + k)

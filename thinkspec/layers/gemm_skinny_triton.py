@@ -94,6 +94,33 @@ SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (64, 4096, 12288): (64, 128, 2, 4, 5),  # down: 28.1 vs cuBLAS 31.2 us (TMA)
     (64, 6144, 4096): (64, 128, 1, 4, 5),  # qkv: 15.1 vs cuBLAS 16.1 us (TMA)
     (64, 151936, 4096): (128, 64, 1, 4, 3),  # lm_head: 297.6 vs cuBLAS 313.7 us (TMA, 2026-12-03)
+    # Qwen3-0.6B's (the draft's forwards at batch 3-64), measured 2026-12-04 with TMA
+    # (benchmarks/results/2026-12-04-skinny-gemm-h200-draft-0.6b.json): 0.50-0.96x cuBLAS's time
+    (4, 1024, 2048): (64, 128, 4, 4, 3),  # o: 4.1 vs cuBLAS 8.2 us
+    (4, 1024, 3072): (64, 128, 4, 4, 5),  # down: 5.1 vs cuBLAS 7.5 us
+    (4, 4096, 1024): (64, 128, 1, 4, 5),  # qkv: 4.5 vs cuBLAS 5.2 us
+    (4, 6144, 1024): (64, 128, 1, 4, 5),  # gate_up: 5.2 vs cuBLAS 6.0 us
+    (4, 151936, 1024): (64, 128, 1, 4, 5),  # lm_head: 75.3 vs cuBLAS 80.2 us
+    (8, 1024, 2048): (64, 128, 4, 4, 5),  # o: 4.6 vs cuBLAS 5.9 us
+    (8, 1024, 3072): (64, 128, 4, 4, 3),  # down: 5.2 vs cuBLAS 7.5 us
+    (8, 4096, 1024): (64, 128, 1, 4, 5),  # qkv: 4.4 vs cuBLAS 5.3 us
+    (8, 6144, 1024): (64, 128, 1, 4, 5),  # gate_up: 5.3 vs cuBLAS 6.2 us
+    (8, 151936, 1024): (128, 128, 1, 4, 3),  # lm_head: 75.7 vs cuBLAS 80.9 us
+    (16, 1024, 2048): (32, 64, 4, 4, 5),  # o: 4.6 vs cuBLAS 5.9 us
+    (16, 1024, 3072): (64, 128, 4, 4, 5),  # down: 5.2 vs cuBLAS 7.8 us
+    (16, 4096, 1024): (64, 128, 1, 4, 5),  # qkv: 4.6 vs cuBLAS 5.3 us
+    (16, 6144, 1024): (64, 128, 1, 4, 5),  # gate_up: 5.3 vs cuBLAS 6.2 us
+    (16, 151936, 1024): (128, 128, 1, 4, 3),  # lm_head: 77.2 vs cuBLAS 81.2 us
+    (32, 1024, 2048): (64, 128, 4, 4, 5),  # o: 4.7 vs cuBLAS 5.9 us
+    (32, 1024, 3072): (64, 128, 4, 4, 5),  # down: 5.2 vs cuBLAS 7.8 us
+    (32, 4096, 1024): (32, 256, 1, 4, 4),  # qkv: 4.7 vs cuBLAS 5.3 us
+    (32, 6144, 1024): (64, 128, 1, 4, 5),  # gate_up: 5.4 vs cuBLAS 6.3 us
+    (32, 151936, 1024): (128, 64, 1, 4, 5),  # lm_head: 79.2 vs cuBLAS 83.2 us
+    (64, 1024, 2048): (64, 128, 4, 4, 5),  # o: 4.8 vs cuBLAS 5.8 us
+    (64, 1024, 3072): (64, 128, 4, 4, 5),  # down: 5.4 vs cuBLAS 8.1 us
+    (64, 4096, 1024): (64, 128, 1, 4, 5),  # qkv: 4.8 vs cuBLAS 5.4 us
+    (64, 6144, 1024): (64, 128, 1, 4, 5),  # gate_up: 5.5 vs cuBLAS 6.5 us
+    (64, 151936, 1024): (64, 64, 1, 4, 4),  # lm_head: 84.1 vs cuBLAS 87.6 us
 }
 
 # The same for gate_up with SiLU(gate) * up in the epilogue (glu=True), keyed by (rows bucket, I, K)
@@ -106,6 +133,12 @@ SKINNY_GLU_TABLE: dict[tuple[int, int, int], Config] = {
     (16, 12288, 4096): (64, 128, 1, 4, 3),  # 48.7 vs 52.6 us
     (32, 12288, 4096): (128, 128, 1, 8, 3),  # 49.8 vs 53.2 us
     (64, 12288, 4096): (64, 64, 1, 4, 4),  # 51.6 vs 54.9 us
+    # Qwen3-0.6B's gate_up, measured 2026-12-04 (...-skinny-glu-h200-draft-0.6b.json)
+    (4, 3072, 1024): (64, 256, 1, 4, 3),  # 5.7 vs cuBLAS + silu_and_mul 6.9 us
+    (8, 3072, 1024): (64, 256, 1, 4, 3),  # 5.7 vs cuBLAS + silu_and_mul 7.7 us
+    (16, 3072, 1024): (64, 256, 1, 4, 3),  # 5.7 vs cuBLAS + silu_and_mul 7.8 us
+    (32, 3072, 1024): (32, 256, 1, 4, 3),  # 6.5 vs cuBLAS + silu_and_mul 8.0 us
+    (64, 3072, 1024): (32, 256, 1, 4, 3),  # 6.8 vs cuBLAS + silu_and_mul 8.3 us
 }
 
 
