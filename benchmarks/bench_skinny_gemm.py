@@ -1,4 +1,4 @@
-"""Decode-step products at 4..128 rows: cuBLAS (F.linear) vs the skinny Triton GEMM, side by side.
+"""Decode-step products at 4..64 rows: cuBLAS (F.linear) vs the skinny Triton GEMM, side by side.
 
 For each Qwen3-8B projection (bf16; with --model 0.6b Qwen3-0.6B's, the draft's) and each row count
 (batch), builds one weight per layer (so the weights of a step do not fit in L2, as in a real step),

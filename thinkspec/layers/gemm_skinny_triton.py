@@ -1,4 +1,4 @@
-"""Skinny tensor-core matmul for decode steps: y = x @ W.T (+ b) for 3..128 rows of x.
+"""Skinny tensor-core matmul for decode steps: y = x @ W.T (+ b) for 3..64 rows of x.
 
 At batch 4..64 a decode step's products still cost about one read of the weights: the rows of x
 are few, so the tensor cores idle while W streams in from HBM. This kernel is built to stream W
@@ -50,8 +50,8 @@ from thinkspec.layers.pdl import hopper_or_newer, launch_args, prefetch, release
 
 TMA = True  # read at launch: W and x tiles through tensor descriptors where the operands allow it
 MIN_ROWS = 3  # fewer rows go to the GEMV (layers/gemv_triton.py) or cuBLAS
-MAX_ROWS = 128
-ROW_BUCKETS = (4, 8, 16, 32, 64, 128)  # the row counts bench_skinny_gemm measures; rows round up to one
+MAX_ROWS = 64
+ROW_BUCKETS = (4, 8, 16, 32, 64)  # the row counts bench_skinny_gemm measures; rows round up to one
 
 # Launch config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 Config = tuple[int, int, int, int, int]
@@ -121,12 +121,6 @@ SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (64, 4096, 1024): (64, 128, 1, 4, 5),  # qkv: 4.8 vs cuBLAS 5.4 us
     (64, 6144, 1024): (64, 128, 1, 4, 5),  # gate_up: 5.5 vs cuBLAS 6.5 us
     (64, 151936, 1024): (64, 64, 1, 4, 4),  # lm_head: 84.1 vs cuBLAS 87.6 us
-    # 128 rows (65-128: a batch-64 draft's first forward, verifies of 80-128 rows, plain steps past 64),
-    # measured 2026-12-04 (...-skinny-gemm-h200-rows128.json, ...-draft-0.6b-rows128.json): only these
-    # beat cuBLAS by 3%; Qwen3-8B's q/k/v, o, gate_up, lm_head and the draft's q/k/v, lm_head did not
-    (128, 4096, 12288): (64, 128, 2, 4, 4),  # down: 31.7 vs cuBLAS 33.5 us
-    (128, 1024, 2048): (64, 128, 4, 4, 4),  # draft o: 5.7 vs cuBLAS 6.1 us
-    (128, 1024, 3072): (64, 128, 4, 4, 4),  # draft down: 6.5 vs cuBLAS 8.2 us
 }
 
 # The same for gate_up with SiLU(gate) * up in the epilogue (glu=True), keyed by (rows bucket, I, K)
@@ -145,8 +139,6 @@ SKINNY_GLU_TABLE: dict[tuple[int, int, int], Config] = {
     (16, 3072, 1024): (64, 256, 1, 4, 3),  # 5.7 vs cuBLAS + silu_and_mul 7.8 us
     (32, 3072, 1024): (32, 256, 1, 4, 3),  # 6.5 vs cuBLAS + silu_and_mul 8.0 us
     (64, 3072, 1024): (32, 256, 1, 4, 3),  # 6.8 vs cuBLAS + silu_and_mul 8.3 us
-    # 128 rows (...-skinny-glu-h200-rows128.json; the draft's, 8.8 vs 7.7 us, stays on cuBLAS)
-    (128, 12288, 4096): (64, 64, 1, 4, 3),  # 56.7 vs cuBLAS + silu_and_mul 60.0 us
 }
 
 
