@@ -29,11 +29,15 @@
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
 #   argmax      greedy sampling: torch.argmax vs the one-launch Triton argmax at 1-128 rows of Qwen3's
 #               vocabulary (benchmarks/bench_argmax.py; ARGMAX_ARGS)
-#   skinny      Qwen3-8B projections at 4..64 rows: cuBLAS vs the skinny Triton GEMM's launch shapes, the
-#               per-step totals at rows 16 and 64, and the SKINNY_GEMM_TABLE entries it implies
-#               (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g. "--rows 16,64 --refine 1")
+#   skinny      Qwen3-8B projections at 4..64 rows (SKINNY_ARGS "--model 0.6b": the draft's): cuBLAS vs the
+#               skinny Triton GEMM's launch shapes, the per-step totals at rows 16 and 64, and the
+#               SKINNY_GEMM_TABLE entries it implies (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g.
+#               "--rows 16,64 --refine 1")
 #   chain       the batch-64 verify's products on cuBLAS as one CUDA graph: replay time against the kernels' own,
-#               i.e. what the boundaries between cuBLAS launches cost (benchmarks/bench_cublas_chain.py; CHAIN_ARGS)
+#               i.e. what the boundaries between cuBLAS launches cost, the same with programmatic edges, and
+#               whether cuBLAS's kernels wait on one (a race test) (benchmarks/bench_cublas_chain.py; CHAIN_ARGS)
+#   census      the engine's captured graphs, edges by kind: programmatic (PDL) or full launch boundaries, and
+#               what the full ones lead into (benchmarks/graph_census.py; CENSUS_ARGS, e.g. "--batch-sizes 1,64")
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
 #               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256"; with
 #               "--layouts nhd,hnd --repeats 3" the KV blocks head-major as well, side by side)
@@ -184,6 +188,12 @@ if has chain; then
   timeout "${CHAIN_TIMEOUT:-120}" $PY benchmarks/bench_cublas_chain.py --out "$OUT/chain.json" ${CHAIN_ARGS:-} 2>&1 \
     | tee "$OUT/chain.log"
   record chain "${PIPESTATUS[0]}" "${CHAIN_TIMEOUT:-120}"
+fi
+
+if has census; then
+  timeout "${CENSUS_TIMEOUT:-200}" $PY benchmarks/graph_census.py --out "$OUT/census.json" ${CENSUS_ARGS:-} 2>&1 \
+    | tee "$OUT/census.log"
+  record census "${PIPESTATUS[0]}" "${CENSUS_TIMEOUT:-200}"
 fi
 
 if has attention; then

@@ -92,10 +92,10 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
 
 
-@pytest.mark.parametrize("stage", ["adaptive", "overlap", "overhead", "bookkeeping", "chain"])
+@pytest.mark.parametrize("stage", ["adaptive", "overlap", "overhead", "bookkeeping", "chain", "census"])
 def test_stage_passes_its_args_and_is_time_boxed(tmp_path, stage):
     scripts = {"overhead": "toy_plain_overhead", "bookkeeping": "bench_plain_bookkeeping",
-               "chain": "bench_cublas_chain"}  # fmt: skip
+               "chain": "bench_cublas_chain", "census": "graph_census"}  # fmt: skip
     script = scripts.get(stage, f"bench_{stage}")
     rc, stdout, summary = _run(tmp_path, stage, **{f"{stage.upper()}_ARGS": "--batch-sizes 1,16 --repeats 1"})
     assert rc == 0 and f"{stage}: ok" in summary.splitlines()
