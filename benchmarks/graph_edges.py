@@ -85,7 +85,7 @@ def keep_graph(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return g
 
 
-def edges(graph: int) -> list[tuple[int, int, tuple[int, int, int]]]:
+def edges(graph: int) -> list[tuple[int, int, Edge]]:
     """Every edge of a cudaGraph_t as (from node, to node, (from_port, to_port, type))."""
     n = ctypes.c_size_t()
     _call("cuGraphGetEdges", graph, None, None, None, ctypes.byref(n))
@@ -95,6 +95,7 @@ def edges(graph: int) -> list[tuple[int, int, tuple[int, int, int]]]:
 
 
 def node_type(node: int) -> int:
+    """A graph node's CUgraphNodeType (KERNEL, MEMCPY, MEMSET, ...)."""
     t = ctypes.c_int()
     _call("cuGraphNodeGetType", node, ctypes.byref(t))
     return t.value
@@ -114,7 +115,7 @@ def node_name(node: int) -> str:
     return name.value.decode()
 
 
-def _edge_data(kind: Edge):
+def _edge_data(kind: Edge) -> ctypes.Array:
     data = (_EdgeData * 1)()
     data[0].from_port, data[0].to_port, data[0].type = kind
     return data
