@@ -15,8 +15,8 @@ Two questions about PDL follow (graph_edges.py rewrites the captured graph's edg
     edge either waits (row 0 of the result right) or reads row 0 before it is written (stale). Two
     Triton consumers that copy row 0, one waiting and one not, show the test can tell them apart;
   - what the chain costs when each product may start as soon as every program of the one before has
-    exited (its product-to-product edges made programmatic; the products share no data, so the
-    result does not depend on it): replayed alternately with the chain as captured.
+    exited (its product-to-product edges made programmatic; the products share no inputs or outputs,
+    and their results are only timed, not checked): replayed alternately with the chain as captured.
 
     python benchmarks/bench_cublas_chain.py --rows 320 --out chain.json
 """
@@ -184,11 +184,14 @@ def main() -> None:
                 f"({', '.join(r['kernels'])}; {r['rewired']} edge(s) programmatic)"
             )
         copy, copy_wait, memset_copy = (r["stale"] for r in result["race"][:3])
+        unrewired = [f"{r['consumer']} {r['n']} x {r['k']}" for r in result["race"] if not r["rewired"]]
         if not copy or copy_wait or not memset_copy:
             result["race_inconclusive"] = (
                 "the copies without wait must read stale and the one with wait must not (stale: copy "
                 f"{copy}, copy+wait {copy_wait}, memset+copy {memset_copy}); raise --spins"
             )
+        elif unrewired:  # no programmatic edge into the consumer: nothing was tested
+            result["race_inconclusive"] = f"no edge made programmatic for {', '.join(unrewired)}"
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if "race_inconclusive" in result:
