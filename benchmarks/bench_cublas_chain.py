@@ -112,6 +112,19 @@ def race(consumer: str, m: int, n: int, k: int, trials: int, spins: int) -> dict
                 trials=trials, stale=stale)  # fmt: skip
 
 
+def inconclusive(cases: list[dict]) -> str | None:
+    """Why race()'s results (the copy, copy+wait and memset+copy controls first) decide nothing, or None:
+    a control that did not behave, or a case whose edge could not be made programmatic."""
+    copy, copy_wait, memset_copy = (r["stale"] for r in cases[:3])
+    if not copy or copy_wait or not memset_copy:
+        return ("the copies without wait must read stale and the one with wait must not (stale: copy "
+                f"{copy}, copy+wait {copy_wait}, memset+copy {memset_copy}); raise --spins")  # fmt: skip
+    unrewired = [f"{r['consumer']} {r['n']} x {r['k']}" for r in cases if not r["rewired"]]
+    if unrewired:  # no programmatic edge into the consumer: nothing was tested
+        return f"no edge made programmatic for {', '.join(unrewired)}"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=320)
@@ -183,15 +196,9 @@ def main() -> None:
                 f"race {r['consumer']:11} {r['n']:>5} x {r['k']:<5} stale {r['stale']} / {r['trials']}  "
                 f"({', '.join(r['kernels'])}; {r['rewired']} edge(s) programmatic)"
             )
-        copy, copy_wait, memset_copy = (r["stale"] for r in result["race"][:3])
-        unrewired = [f"{r['consumer']} {r['n']} x {r['k']}" for r in result["race"] if not r["rewired"]]
-        if not copy or copy_wait or not memset_copy:
-            result["race_inconclusive"] = (
-                "the copies without wait must read stale and the one with wait must not (stale: copy "
-                f"{copy}, copy+wait {copy_wait}, memset+copy {memset_copy}); raise --spins"
-            )
-        elif unrewired:  # no programmatic edge into the consumer: nothing was tested
-            result["race_inconclusive"] = f"no edge made programmatic for {', '.join(unrewired)}"
+        why = inconclusive(result["race"])
+        if why:
+            result["race_inconclusive"] = why
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if "race_inconclusive" in result:
