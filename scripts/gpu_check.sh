@@ -97,6 +97,18 @@ record() {
   note "$name: $status${*:+ $*}"
 }
 
+# bench NAME SCRIPT LIMIT [DEFAULT_ARGS [bars]]: the stage NAME, i.e. benchmarks/SCRIPT --out $OUT/NAME.json
+# with ${NAME_ARGS:-DEFAULT_ARGS}, time-boxed by ${NAME_TIMEOUT:-LIMIT}, its output shown and kept in
+# $OUT/NAME.log ("bars": tqdm's progress lines left out), its status recorded
+bench() {
+  local name=$1 script=$2 upper=${1^^} bars=${5:-}
+  local limit_var=${upper}_TIMEOUT args_var=${upper}_ARGS
+  local limit=${!limit_var:-$3} args=${!args_var:-${4:-}}
+  timeout "$limit" $PY "benchmarks/$script" --out "$OUT/$name.json" $args 2>&1 \
+    | if [ "$bars" = bars ]; then grep -v 'it/s]'; else cat; fi | tee "$OUT/$name.log"
+  record "$name" "${PIPESTATUS[0]}" "$limit"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || record nvidia-smi "$rc" 0
@@ -108,17 +120,8 @@ if has tests; then
 fi
 
 
-if has spec_round; then
-  timeout "${SPEC_ROUND_TIMEOUT:-200}" $PY benchmarks/bench_spec_round.py --out "$OUT/spec_round.json" \
-    ${SPEC_ROUND_ARGS:---kernel-profile} 2>&1 | tee "$OUT/spec_round.log"
-  record spec_round "${PIPESTATUS[0]}" "${SPEC_ROUND_TIMEOUT:-200}"
-fi
-
-if has throughput; then
-  timeout "${THROUGHPUT_TIMEOUT:-420}" $PY benchmarks/bench_throughput.py --out "$OUT/throughput.json" \
-    ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log"
-  record throughput "${PIPESTATUS[0]}" "${THROUGHPUT_TIMEOUT:-420}"
-fi
+has spec_round && bench spec_round bench_spec_round.py 200 --kernel-profile
+has throughput && bench throughput bench_throughput.py 420
 
 if has projection; then
   timeout "${PROJECTION_TIMEOUT:-300}" $PY benchmarks/validate_projection.py \
@@ -127,23 +130,9 @@ if has projection; then
   record projection "${PIPESTATUS[0]}" "${PROJECTION_TIMEOUT:-300}"
 fi
 
-if has adaptive; then
-  timeout "${ADAPTIVE_TIMEOUT:-480}" $PY benchmarks/bench_adaptive.py --out "$OUT/adaptive.json" \
-    ${ADAPTIVE_ARGS:---repeats 2} 2>&1 | grep -v 'it/s]' | tee "$OUT/adaptive.log"
-  record adaptive "${PIPESTATUS[0]}" "${ADAPTIVE_TIMEOUT:-480}"
-fi
-
-if has overhead; then
-  timeout "${OVERHEAD_TIMEOUT:-400}" $PY benchmarks/toy_plain_overhead.py --out "$OUT/overhead.json" \
-    ${OVERHEAD_ARGS:-} 2>&1 | grep -v 'it/s]' | tee "$OUT/overhead.log"
-  record overhead "${PIPESTATUS[0]}" "${OVERHEAD_TIMEOUT:-400}"
-fi
-
-if has bookkeeping; then
-  timeout "${BOOKKEEPING_TIMEOUT:-200}" $PY benchmarks/bench_plain_bookkeeping.py --out "$OUT/bookkeeping.json" \
-    ${BOOKKEEPING_ARGS:-} 2>&1 | grep -v 'it/s]' | tee "$OUT/bookkeeping.log"
-  record bookkeeping "${PIPESTATUS[0]}" "${BOOKKEEPING_TIMEOUT:-200}"
-fi
+has adaptive && bench adaptive bench_adaptive.py 480 "--repeats 2" bars
+has overhead && bench overhead toy_plain_overhead.py 400 "" bars
+has bookkeeping && bench bookkeeping bench_plain_bookkeeping.py 200 "" bars
 
 if has long; then
   for spec in 8192:1,16 32768:1; do
@@ -164,17 +153,8 @@ if has graphs; then
   record graphs "$rc" "${GRAPHS_TIMEOUT:-240}" "$(tail -n 1 "$OUT/graphs.log")"
 fi
 
-if has gemv; then
-  timeout "${GEMV_TIMEOUT:-240}" $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
-    | tee "$OUT/gemv.log"
-  record gemv "${PIPESTATUS[0]}" "${GEMV_TIMEOUT:-240}"
-fi
-
-if has argmax; then
-  timeout "${ARGMAX_TIMEOUT:-120}" $PY benchmarks/bench_argmax.py --out "$OUT/argmax.json" ${ARGMAX_ARGS:-} 2>&1 \
-    | tee "$OUT/argmax.log"
-  record argmax "${PIPESTATUS[0]}" "${ARGMAX_TIMEOUT:-120}"
-fi
+has gemv && bench gemv bench_gemv.py 240
+has argmax && bench argmax bench_argmax.py 120
 
 if has skinny; then
   timeout "${SKINNY_TIMEOUT:-300}" $PY benchmarks/bench_skinny_gemm.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} 2>&1 \
@@ -184,29 +164,10 @@ if has skinny; then
   record skinny "$rc" "${SKINNY_TIMEOUT:-300}"
 fi
 
-if has chain; then
-  timeout "${CHAIN_TIMEOUT:-120}" $PY benchmarks/bench_cublas_chain.py --out "$OUT/chain.json" ${CHAIN_ARGS:-} 2>&1 \
-    | tee "$OUT/chain.log"
-  record chain "${PIPESTATUS[0]}" "${CHAIN_TIMEOUT:-120}"
-fi
-
-if has census; then
-  timeout "${CENSUS_TIMEOUT:-200}" $PY benchmarks/graph_census.py --out "$OUT/census.json" ${CENSUS_ARGS:-} 2>&1 \
-    | tee "$OUT/census.log"
-  record census "${PIPESTATUS[0]}" "${CENSUS_TIMEOUT:-200}"
-fi
-
-if has attention; then
-  timeout "${ATTENTION_TIMEOUT:-240}" $PY benchmarks/bench_attention.py --out "$OUT/attention.json" \
-    ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log"
-  record attention "${PIPESTATUS[0]}" "${ATTENTION_TIMEOUT:-240}"
-fi
-
-if has overlap; then
-  timeout "${OVERLAP_TIMEOUT:-300}" $PY benchmarks/bench_overlap.py --out "$OUT/overlap.json" \
-    ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/overlap.log"
-  record overlap "${PIPESTATUS[0]}" "${OVERLAP_TIMEOUT:-300}"
-fi
+has chain && bench chain bench_cublas_chain.py 120
+has census && bench census graph_census.py 200
+has attention && bench attention bench_attention.py 240
+has overlap && bench overlap bench_overlap.py 300
 
 if has tune; then
   timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 \
@@ -248,11 +209,7 @@ if has step; then
     "$OUT/step.json" "${steps[@]}" 2>/dev/null && rm -f "${steps[@]}"
 fi
 
-if has host; then
-  timeout "${HOST_TIMEOUT:-150}" $PY benchmarks/host_noise.py --out "$OUT/host.json" ${HOST_ARGS:---seconds 30} 2>&1 \
-    | tee "$OUT/host.log"
-  record host "${PIPESTATUS[0]}" "${HOST_TIMEOUT:-150}"
-fi
+has host && bench host host_noise.py 150 "--seconds 30"
 
 if has profile; then
   timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/profile_toy.py --device cuda --num-problems 256 \
