@@ -296,7 +296,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in host spec_round projection adaptive throughput gemv argmax skinny chain acceptance step toy_quality sweep tp; do
+for f in host spec_round projection adaptive throughput gemv argmax skinny chain census acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"
