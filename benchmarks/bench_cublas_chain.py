@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from bench_gemv import replay_us
-from graph_edges import edges, keep_graph, make_programmatic, node_name
+from bench_gemv import capture_graph, replay_us
+from graph_edges import edges, make_programmatic, node_name
 from torch.profiler import ProfilerActivity, profile
 
 # (name, N, K) of the products of one Qwen3-8B layer, in forward order
@@ -92,7 +92,7 @@ def race(consumer: str, m: int, n: int, k: int, trials: int, spins: int) -> dict
             memset(scratch)
         _copy[(k // FILL_BLOCK,)](x, row, WAIT=consumer == "copy+wait", BLOCK=FILL_BLOCK)
 
-    g = keep_graph(fn)
+    g = capture_graph(fn, keep=True)
     rewired = make_programmatic(g.raw_cuda_graph(), lambda name: "_slow_fill" in name, through_memsets=True)
     graph_edges = [(node_name(a), node_name(b), d) for a, b, d in edges(g.raw_cuda_graph())]
     kernels = sorted({b for _, b, _ in graph_edges} - {"_slow_fill", "<memset>"})
@@ -149,8 +149,8 @@ def main() -> None:
             for (_, _, k), w in zip(LAYER, layer):
                 F.linear(xs[k], w)
 
-    graph = keep_graph(chain)
-    overlapped = keep_graph(chain)  # product-to-product edges programmatic (memsets keep theirs)
+    graph = capture_graph(chain, keep=True)
+    overlapped = capture_graph(chain, keep=True)  # product-to-product edges programmatic (memsets' stay)
     rewired = make_programmatic(overlapped.raw_cuda_graph(), lambda name: name.startswith("nvjet"))
     for g in (graph, overlapped):
         g.instantiate()

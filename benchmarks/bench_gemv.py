@@ -34,18 +34,20 @@ SHAPES = [
 # epilogue (N weight rows, N / 2 outputs)
 
 
-def capture_graph(fn) -> torch.cuda.CUDAGraph:
+def capture_graph(fn, keep: bool = False) -> torch.cuda.CUDAGraph:
     """A CUDA graph of fn(), run once on a side stream first (lazy set-up, cuBLAS workspaces) and
-    replayed once after capture."""
+    replayed once after capture; with keep, kept for editing instead (torch's keep_graph=True: its
+    raw_cuda_graph() may change until instantiate() or the first replay; graph_edges.py)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
+    g = torch.cuda.CUDAGraph(keep_graph=keep)
     with torch.cuda.graph(g):
         fn()
-    g.replay()
+    if not keep:
+        g.replay()
     return g
 
 

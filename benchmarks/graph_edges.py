@@ -7,8 +7,9 @@ soon as every program of the one before has exited (or released it early): safe 
 kernel waits (PTX griddepcontrol.wait) before it reads. `bench_cublas_chain.py` uses this to ask
 whether cuBLAS's kernels wait, and what the boundaries between its launches cost when they overlap.
 
-Needs a CUDA driver of 12.3 or newer (edge data, kernel names). Graphs come from `keep_graph`:
-torch's CUDAGraph with keep_graph=True, so edges can change before `instantiate()`.
+Needs a CUDA driver of 12.3 or newer (edge data, kernel names). Graphs are torch's CUDAGraph made
+with keep_graph=True (bench_gemv.capture_graph(fn, keep=True)), so edges can change before
+`instantiate()`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-
-import torch
 
 P = ctypes.c_void_p
 KERNEL, MEMCPY, MEMSET = 0, 1, 2  # CUgraphNodeType values used here
@@ -68,21 +67,6 @@ def _call(name: str, *args) -> None:
     rc = _driver()[name](*args)
     if rc != 0:
         raise RuntimeError(f"{name} failed with CUresult {rc}")
-
-
-def keep_graph(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """fn() captured into a CUDA graph kept for editing (not yet instantiated); fn runs once on a side
-    stream first (lazy set-up, cuBLAS workspaces)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def edges(graph: int) -> list[tuple[int, int, Edge]]:

@@ -36,11 +36,11 @@ def _fill_then_copy(bench, x, row, wait: bool, pdl: bool):
 @gpu
 @needs_hopper
 def test_capture_records_a_pdl_launch_as_a_programmatic_edge(bench):
-    edges_mod, _ = bench
+    edges_mod, chain = bench
     x = torch.zeros(2, 2048, device="cuda", dtype=torch.bfloat16)
     row = torch.empty(2048, device="cuda", dtype=torch.bfloat16)
     for pdl, expected in ((False, edges_mod.FULL), (True, edges_mod.PROGRAMMATIC)):
-        g = edges_mod.keep_graph(lambda pdl=pdl: _fill_then_copy(bench, x, row, True, pdl))
+        g = chain.capture_graph(lambda pdl=pdl: _fill_then_copy(bench, x, row, True, pdl), keep=True)
         graph = g.raw_cuda_graph()
         found = [(edges_mod.node_name(a), edges_mod.node_name(b), d) for a, b, d in edges_mod.edges(graph)]
         assert found == [("_slow_fill", "_copy", expected)]
@@ -50,10 +50,10 @@ def test_capture_records_a_pdl_launch_as_a_programmatic_edge(bench):
 @needs_hopper
 @pytest.mark.parametrize("wait", [False, True])
 def test_a_rewritten_edge_lets_the_consumer_start_early(bench, wait):
-    edges_mod, _ = bench
+    edges_mod, chain = bench
     x = torch.zeros(2, 2048, device="cuda", dtype=torch.bfloat16)
     row = torch.empty(2048, device="cuda", dtype=torch.bfloat16)
-    g = edges_mod.keep_graph(lambda: _fill_then_copy(bench, x, row, wait, False))
+    g = chain.capture_graph(lambda: _fill_then_copy(bench, x, row, wait, False), keep=True)
     graph = g.raw_cuda_graph()
     assert edges_mod.make_programmatic(graph, lambda name: name == "_slow_fill") == 1
     assert [d for _, _, d in edges_mod.edges(graph)] == [edges_mod.PROGRAMMATIC]
@@ -87,7 +87,7 @@ def test_a_memset_between_moves_ahead_of_the_producer(bench):
         chain.memset(scratch)
         chain._copy[(x.shape[1] // block,)](x, row, WAIT=False, BLOCK=block)
 
-    g = edges_mod.keep_graph(fn)
+    g = chain.capture_graph(fn, keep=True)
     graph = g.raw_cuda_graph()
     fill = lambda name: name == "_slow_fill"  # noqa: E731
     assert edges_mod.make_programmatic(graph, fill) == 0  # a memset is in the way
