@@ -33,6 +33,26 @@ def _fill_then_copy(bench, x, row, wait: bool, pdl: bool):
     chain._copy[(x.shape[1] // block,)](x, row, WAIT=wait, BLOCK=block, launch_pdl=pdl)
 
 
+def _stale_replays(g, x, row, scratch=None, replays: int = 3) -> int:
+    """Instantiates g (fill row 0 of x -> copy it into row) and replays it from x = 0, row = 7 and
+    scratch = 1: each replay the fill writes x[0] = 1 (and the memset zeroes scratch); returns in how
+    many replays the copy read x[0] before it was written."""
+    g.instantiate()
+    stale = 0
+    for _ in range(replays):
+        x.zero_()
+        row.fill_(7)
+        if scratch is not None:
+            scratch.fill_(1)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.all(x[0] == 1)
+        assert scratch is None or torch.all(scratch == 0)
+        stale += int(not torch.equal(row, x[0]))
+    return stale
+
+
 @gpu
 @needs_hopper
 def test_capture_records_a_pdl_launch_as_a_programmatic_edge(bench):
@@ -58,17 +78,7 @@ def test_a_rewritten_edge_lets_the_consumer_start_early(bench, wait):
     assert edges_mod.make_programmatic(graph, lambda name: name == "_slow_fill") == 1
     assert [d for _, _, d in edges_mod.edges(graph)] == [edges_mod.PROGRAMMATIC]
     assert edges_mod.make_programmatic(graph, lambda name: name == "_slow_fill") == 0  # nothing full is left
-    g.instantiate()
-    stale = 0
-    for _ in range(3):
-        x.zero_()
-        row.fill_(7)
-        torch.cuda.synchronize()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.all(x[0] == 1)
-        stale += int(not torch.equal(row, x[0]))
-    assert stale == (0 if wait else 3)
+    assert _stale_replays(g, x, row) == (0 if wait else 3)
 
 
 @gpu
@@ -95,14 +105,4 @@ def test_a_memset_between_moves_ahead_of_the_producer(bench):
     found = sorted((edges_mod.node_name(a), edges_mod.node_name(b), d) for a, b, d in edges_mod.edges(graph))
     full, programmatic = edges_mod.FULL, edges_mod.PROGRAMMATIC
     assert found == [("<memset>", "_slow_fill", full), ("_slow_fill", "_copy", programmatic)]
-    g.instantiate()
-    stale = 0
-    for _ in range(3):
-        x.zero_()
-        scratch.fill_(1)
-        torch.cuda.synchronize()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.all(x[0] == 1) and torch.all(scratch == 0)
-        stale += int(not torch.equal(row, x[0]))
-    assert stale == 3
+    assert _stale_replays(g, x, row, scratch) == 3
