@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
+from thinkspec.layers.fused_triton import silu_and_mul
 from thinkspec.layers.gemv_triton import gemv, gemv_config
 
 # (name, N, K, layers)
@@ -29,9 +30,11 @@ SHAPES = [
     ("0.6b.qkv", 4096, 1024, 28), ("0.6b.o", 1024, 2048, 28), ("0.6b.gate_up", 6144, 1024, 28),
     ("0.6b.down", 1024, 3072, 28), ("0.6b.lm_head", 151936, 1024, 1),
     ("8b.gate_up_glu", 24576, 4096, 36), ("0.6b.gate_up_glu", 6144, 1024, 28),
+    ("llama3-8b.gate_up_glu", 28672, 4096, 32), ("llama3-70b-tp2.gate_up_glu", 28672, 8192, 8),
 ]  # fmt: skip
 # "_glu": the gate/up product as the engine runs it at 1-2 rows, SiLU(gate) * up in the GEMV's
-# epilogue (N weight rows, N / 2 outputs)
+# epilogue (N weight rows, N / 2 outputs); the Llama-3 ones (70B: one rank's half at TP = 2, 8 of its
+# 80 layers, 3.8 GB, enough to miss L2) for gemv_config's rule past WIDE_GLU
 
 
 def capture_graph(fn, keep: bool = False) -> torch.cuda.CUDAGraph:
@@ -99,8 +102,11 @@ def main() -> None:
             if glu:
                 ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
             cublas = graph_us(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws]) / layers
-            # with glu, cuBLAS times the product alone (its SiLU * up would be a second launch)
+            # with glu, cuBLAS times the product alone, and then with the SiLU * up launch after it
             row = dict(shape=name, n=n, k=k, glu=glu, rows=m, floor_us=floor_us, cublas_us=cublas, triton={})
+            if glu:
+                two = lambda x=x, ws=ws: [silu_and_mul(torch.nn.functional.linear(x, w)) for w in ws]  # noqa: E731
+                row["cublas_silu_us"] = graph_us(two) / layers
             for bn, bk, warps, stages in grid:
                 if m * bn * bk * (1 + glu) // (32 * warps) > 128 or bk > 2 * triton.next_power_of_2(k):
                     continue  # too many accumulator registers per thread, or a block far past K
@@ -117,8 +123,9 @@ def main() -> None:
             row.update(best=best, best_us=row["triton"][best], default=default,
                        default_us=row["triton"][same[0]] if same else None)  # fmt: skip
             rows_out.append(row)
+            silu = f"+ silu {row['cublas_silu_us']:7.1f}  " if glu else ""
             print(f"{name:<14} rows {m}  floor {floor_us:7.1f}  "
-                  f"cublas {cublas:7.1f} ({cublas / floor_us:.2f}x)  "
+                  f"cublas {cublas:7.1f} ({cublas / floor_us:.2f}x)  {silu}"
                   f"triton best {row['best_us']:7.1f} ({row['best_us'] / floor_us:.2f}x) [{best}]  "
                   f"default {row['default_us'] or float('nan'):7.1f} [{default}]", flush=True)  # fmt: skip
         ws.clear()
