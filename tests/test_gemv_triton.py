@@ -58,32 +58,6 @@ def test_gemv_config_gives_few_long_rows_wider_k_tiles():
     assert gemv_triton.gemv_config(4, 1024, 3072) == (2, 512, 4, 1)
 
 
-def test_gemv_config_gives_a_wide_fused_gate_up_one_warp_programs():
-    # Qwen3-8B's gate/up (2 x 12288 x 4096, past WIDE_GLU) with SiLU fused at one row: one output and
-    # 1,024-wide K tiles a one-warp program; at two rows, without glu, or at the tensor-parallel half
-    # (2 x 6144 x 4096, under the limit) the rules above
-    assert gemv_triton.gemv_config(1, 12288, 4096, glu=True) == (1, 1024, 1, 1)
-    assert gemv_triton.gemv_config(1, 14336, 8192, glu=True) == (1, 1024, 1, 1)  # Llama-3-70B, TP = 2
-    assert gemv_triton.gemv_config(2, 12288, 4096, glu=True) == (2, 512, 2, 1)
-    assert gemv_triton.gemv_config(1, 24576, 4096) == (4, 512, 2, 1)
-    assert gemv_triton.gemv_config(1, 6144, 4096, glu=True) == (2, 512, 2, 1)
-
-
-def test_a_wide_gate_up_takes_the_gemv_at_one_row_with_silu_fused_only():
-    # past GEMV_MAX_WEIGHT cuBLAS keeps the product alone (it reads such weights at the HBM rate); with
-    # SiLU * up fused at one row the GEMV costs the same and saves the SiLU launch and a full boundary
-    gate_up = linear.MergedLinear(4096, {"gate": 12288, "up": 12288}, bias=False)
-    gate_up.gemv = gate_up.skinny_gemm = True
-    gate_up.to("meta", torch.bfloat16)
-    assert gate_up.weight.numel() > linear.GEMV_MAX_WEIGHT
-    one, two = (torch.empty(rows, 4096, device="meta", dtype=torch.bfloat16) for rows in (1, 2))
-    assert gate_up.triton_kernel(one, glu=True) == "gemv"
-    assert gate_up.triton_kernel(one) is None and gate_up.triton_kernel(two, glu=True) is None
-    assert gate_up.triton_kernel(one.unsqueeze(0), glu=True) is None  # [1, 1, in]: not a batch of rows
-    gate_up.gemv = False
-    assert gate_up.triton_kernel(one, glu=True) is None
-
-
 def test_gemv_rejects_bad_shapes():
     with pytest.raises(ValueError, match="M <= 4"):
         gemv(torch.zeros(5, 8), torch.zeros(3, 8))
@@ -174,34 +148,6 @@ def _glu_reference(x, w, b):
     y = F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@interp
-@pytest.mark.parametrize("k", [1500, 2048])  # a K tail past the 1,024-wide tiles, and none
-def test_interp_a_wide_gate_up_at_one_row_is_the_product_then_silu_and_mul(monkeypatch, k):
-    # with both limits at 0 a small layer takes the wide route: one row runs the fused GEMV at its one-warp
-    # shape, with the bits of the product at that shape then silu_and_mul; two rows the product, then it
-    from thinkspec.layers.fused_triton import silu_and_mul
-
-    monkeypatch.setattr(gemv_triton, "WIDE_GLU", 0)
-    monkeypatch.setattr(linear, "GEMV_MAX_WEIGHT", 0)
-    assert gemv_triton.gemv_config(1, 40, k, glu=True) == (1, 1024, 1, 1)
-    g = torch.Generator().manual_seed(k)
-    layer = linear.MergedLinear(k, {"gate": 40, "up": 40}, bias=False).to(torch.bfloat16)
-    layer.weight.data.copy_(torch.randn(80, k, generator=g) / k**0.5 * 3)
-    layer.gemv = True
-    x = torch.randn(2, k, generator=g).bfloat16()
-    calls = []
-    real = gemv_triton.gemv
-    monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(kw.get("glu")) or real(*a, **kw))
-    fused = layer.silu_and_mul(x[:1])
-    assert calls == [True]
-    assert torch.equal(fused, silu_and_mul(real(x[:1], layer.weight, config=(1, 1024, 1, 1))))
-    ref = _glu_reference(x[:1], layer.weight, None).float()
-    eps = torch.finfo(torch.bfloat16).eps
-    torch.testing.assert_close(fused.float(), ref, rtol=4 * eps, atol=4 * eps * ref.abs().max().item())
-    assert torch.equal(layer.silu_and_mul(x), silu_and_mul(F.linear(x, layer.weight)))
-    assert calls == [True]  # two rows: F.linear
 
 
 @interp

@@ -34,7 +34,6 @@ from thinkspec.layers.pdl import early_release, launch_args, release_next, wait_
 
 MAX_ROWS = 4  # the most rows one launch takes (layers/linear.py sends up to GEMV_MAX_ROWS)
 SMALL_N = 1024  # outputs up to which a long-K product takes its own launch shape (gemv_config)
-WIDE_GLU = 64 * 1024**2  # gate/up weight elements past which the fused product takes its own shape
 
 
 @triton.jit
@@ -128,13 +127,7 @@ def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, 
     the 0.6B step 0.77 against 0.79 ms at 1 row, 0.88 against 0.91 at 2; docs/BENCHMARKS.md,
     twenty-first session).
     With glu a program reads gate and up rows: half the outputs, the same weight rows per program
-    (and registers: two accumulators of the full size spill at 2 rows).
-    A gate/up weight past WIDE_GLU elements (linear.GEMV_MAX_WEIGHT: only the fused SiLU at one row
-    brings Qwen3-8B's, 100M elements, here) takes one output and 1,024-wide K tiles a one-warp program:
-    49.5 us against 53.5 at the default shape, and cuBLAS's 49.2 for the product alone (eighteenth
-    session's glu grid, docs/BENCHMARKS.md)."""
-    if glu and num_rows == 1 and 2 * n * k > WIDE_GLU:
-        return 1, 1024, 1, 1
+    (and registers: two accumulators of the full size spill at 2 rows)."""
     block_k = min(512, triton.next_power_of_2(k))
     block_n, warps = (4, 2) if num_rows <= 2 else (2, 4)
     if num_rows <= 2 and n <= SMALL_N and k >= 2048 and not glu:

@@ -3,9 +3,7 @@
 `Linear` is nn.Linear that, once `gemv` is switched on (the engine does so with the other fused
 kernels), runs one- and two-row products of weights up to GEMV_MAX_WEIGHT elements as the Triton GEMV
 of gemv_triton.py: at batch 1 cuBLAS reads those weights measurably below the HBM rate, while on
-larger weights (gate/up, lm_head) it reaches it (benchmarks/bench_gemv.py, docs/BENCHMARKS.md). A
-one-row gate/up product with SiLU * up fused takes the GEMV past that limit too: it then costs what
-cuBLAS's product alone does, and saves the SiLU launch and the full launch boundary before cuBLAS.
+larger weights (gate/up, lm_head) it reaches it (benchmarks/bench_gemv.py, docs/BENCHMARKS.md).
 With `skinny_gemm` on as well, products of 3..64 rows go to the Triton tensor-core GEMM of
 gemm_skinny_triton.py, but only for the (rows bucket, N, K) that its SKINNY_GEMM_TABLE lists (the
 shapes where bench_skinny_gemm measured it faster than cuBLAS); everything else stays on F.linear.
@@ -78,8 +76,7 @@ class Linear(nn.Linear):
         if x.dim() != 2:
             return None
         rows, n = x.shape[0], self.out_features // 2 if glu else self.out_features
-        small = self.weight.numel() <= GEMV_MAX_WEIGHT or (glu and rows == 1)  # see the module docstring
-        if self.gemv and rows <= GEMV_MAX_ROWS and small:
+        if self.gemv and rows <= GEMV_MAX_ROWS and self.weight.numel() <= GEMV_MAX_WEIGHT:
             return "gemv"
         if self.skinny_gemm and x.dtype in _HALF and x.dtype == self.weight.dtype:
             from thinkspec.layers import gemm_skinny_triton as gs
