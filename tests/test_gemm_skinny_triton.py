@@ -499,19 +499,27 @@ def test_interp_paged_model_runs_the_norms_in_the_sum_launches(monkeypatch):
 
 # ---------------------------------------------------------------- GPU cases (real sizes)
 
+# The launch shapes the GPU cases fix beside the tables' (config None), and their row counts:
+# test_kernels_compile checks on the CPU that each fits the H200's shared memory at those rows
+GPU_ROWS = (3, 16, 64)
+GPU_SHAPES = ((64, 128, 1, 4, 4), (32, 256, 4, 4, 3))
+GPU_GLU_SHAPES = ((32, 128, 1, 4, 4), (64, 128, 1, 4, 3))
+GPU_NORM_ROWS = (4, 8, 16, 64)
+GPU_NORM_SHAPES = ((64, 128, 2, 4, 5), (32, 256, 4, 4, 3))
+
 
 @gpu
 @pytest.mark.parametrize(
     ("n", "k"), [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), *DRAFT_SHAPES]
 )
-@pytest.mark.parametrize("m", [3, 16, 64])
+@pytest.mark.parametrize("m", GPU_ROWS)
 def test_gpu_matches_cublas_at_model_shapes(n, k, m):
     g = torch.Generator(device="cuda").manual_seed(n + k + m)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
     b = torch.randn(n, device="cuda", generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
-    for config in (None, (64, 128, 1, 4, 4), (32, 256, 4, 4, 3)):
+    for config in (None, *GPU_SHAPES):
         out = skinny_gemm(x, w, b, config=config)
         assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-4).all()
         assert (out == ref.bfloat16()).float().mean().item() > 0.99
@@ -536,8 +544,8 @@ def test_gpu_replays_in_a_cuda_graph(split):
 
 
 @gpu
-@pytest.mark.parametrize("m", [3, 16, 64])
-@pytest.mark.parametrize("config", [None, (32, 128, 1, 4, 4), (64, 128, 1, 4, 3)])
+@pytest.mark.parametrize("m", GPU_ROWS)
+@pytest.mark.parametrize("config", [None, *GPU_GLU_SHAPES])
 @pytest.mark.parametrize(("inter", "hidden"), [(12288, 4096), (3072, 1024)])
 def test_gpu_glu_matches_the_two_launches(m, config, inter, hidden):
     # Qwen3-8B's gate_up (2 x 12288 rows) and Qwen3-0.6B's (2 x 3072) with SiLU(gate) * up in the
@@ -559,7 +567,7 @@ def test_gpu_glu_matches_the_two_launches(m, config, inter, hidden):
 @gpu
 @torch.inference_mode()
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288), (1024, 2048), (1024, 3072)])
-@pytest.mark.parametrize("m", [4, 8, 16, 64])
+@pytest.mark.parametrize("m", GPU_NORM_ROWS)
 def test_gpu_rms_norm_in_the_sum_launch_is_the_two_launches(n, k, m):
     # Qwen3-8B's and Qwen3-0.6B's o and down with the residual add + RMSNorm after them, at the launch
     # shapes the tables give (split or not): the same bits as the product, then fused_triton.rms_norm
@@ -570,7 +578,7 @@ def test_gpu_rms_norm_in_the_sum_launch_is_the_two_launches(n, k, m):
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
     residual = (4 * torch.randn(m, n, device="cuda", generator=g)).bfloat16()
     norm_w = (1 + 0.2 * torch.randn(n, device="cuda", generator=g)).bfloat16()
-    for config in (None, (64, 128, 2, 4, 5), (32, 256, 4, 4, 3)):
+    for config in (None, *GPU_NORM_SHAPES):
         normed, stream = gs.skinny_gemm_rms_norm(x, w, None, residual, norm_w, 1e-6, config=config)
         two = rms_norm(skinny_gemm(x, w, config=config), norm_w, 1e-6, residual)
         assert torch.equal(stream, two[1]) and torch.equal(normed, two[0])

@@ -362,6 +362,38 @@ def test_skinny_gemm_table_entries_compile(glu, key, tma):
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
+def _gpu_case_shapes() -> list[tuple[int, tuple[int, int, int, int, int], bool]]:
+    from test_gemm_skinny_triton import GPU_GLU_SHAPES, GPU_NORM_ROWS, GPU_NORM_SHAPES, GPU_ROWS, GPU_SHAPES
+
+    cases = {(rows, config, False) for rows in GPU_ROWS for config in GPU_SHAPES}
+    cases |= {(rows, config, True) for rows in GPU_ROWS for config in GPU_GLU_SHAPES}
+    cases |= {(rows, config, False) for rows in GPU_NORM_ROWS for config in GPU_NORM_SHAPES}
+    return sorted(cases)
+
+
+@pytest.mark.parametrize(("rows", "config", "glu"), _gpu_case_shapes())
+def test_skinny_gemm_gpu_case_shapes_fit_shared_memory(rows, config, glu):
+    # the launch shapes the skinny GEMM's GPU cases fix, at the row counts they run (the row tile is
+    # the next power of two): one past the H200's 227 KiB cannot launch there, which fails the case
+    # without saying why (a 128-row tile needs 240 KiB at (64, 128, 2, 4, 5), 160 at 64 rows)
+    block_n, block_k, split, warps, stages = config
+    block_m = max(16, triton.next_power_of_2(rows))
+    for tma in (False, True):
+        constexprs = {
+            "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": block_m, "BLOCK_N": block_n,
+            "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "PDL": True, "TMA": tma,
+            "X_DTYPE": tl.bfloat16,
+        }  # fmt: skip
+        ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
+        if tma:
+            ptrs["x_ptr"] = f"tensordesc<bf16[{block_m},{block_k}]>"
+            ptrs["w_ptr"] = f"tensordesc<bf16[{block_n},{block_k}]>"
+        ptrs["y_ptr"] = "fp32" if split > 1 else "bf16"
+        aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
+        kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
+        assert kernel.metadata.shared <= 227 * 1024, (rows, config, tma, kernel.metadata.shared)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_acceptance_kernels_compile(dtype):
     accept = {
