@@ -327,6 +327,24 @@ def test_split_k_sum_rms_norm_compiles(pdl, prefetch):
         assert len(after) == (2 * 2 + 2) * len(before)
 
 
+def _compile_skinny(block_m: int, config: tuple[int, ...], glu: bool, tma: bool, even_k=True, fp32_out=False):
+    """The skinny GEMM built for sm_90 at launch shape `config` over block_m-row tiles, with pointer loads
+    or tensor descriptors (tma); its output float32 where K is split (partials) or with fp32_out."""
+    block_n, block_k, split, warps, stages = config
+    constexprs = {
+        "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "BLOCK_K": block_k, "EVEN_K": even_k, "DOT_F32": False, "PDL": True, "TMA": tma,
+        "X_DTYPE": tl.bfloat16,
+    }  # fmt: skip
+    ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
+    if tma:
+        ptrs["x_ptr"] = f"tensordesc<bf16[{block_m},{block_k}]>"
+        ptrs["w_ptr"] = f"tensordesc<bf16[{block_n},{block_k}]>"
+    ptrs["y_ptr"] = "fp32" if split > 1 or fp32_out else "bf16"
+    aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
+    return compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize(
     ("glu", "key"),
@@ -334,23 +352,12 @@ def test_split_k_sum_rms_norm_compiles(pdl, prefetch):
 )
 def test_skinny_gemm_table_entries_compile(glu, key, tma):
     # every launch shape the tables send an engine product to, with pointer loads and with tensor
-    # descriptors (TMA): pipelined, no spills, fits shared memory
+    # descriptors (TMA): pipelined, no spills, fits shared memory (the lm_head's logits in float32)
     rows, n, k = key
-    block_n, block_k, split, warps, stages = (gs.SKINNY_GLU_TABLE if glu else gs.SKINNY_GEMM_TABLE)[key]
+    config = (gs.SKINNY_GLU_TABLE if glu else gs.SKINNY_GEMM_TABLE)[key]
+    block_k, split, stages = config[1], config[2], config[4]
     assert not glu or split == 1
-    block_m = max(16, rows)
-    constexprs = {
-        "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": block_m, "BLOCK_N": block_n,
-        "BLOCK_K": block_k, "EVEN_K": k % block_k == 0, "DOT_F32": False, "PDL": True, "TMA": tma,
-        "X_DTYPE": tl.bfloat16,
-    }  # fmt: skip
-    ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
-    if tma:
-        ptrs["x_ptr"] = f"tensordesc<bf16[{block_m},{block_k}]>"
-        ptrs["w_ptr"] = f"tensordesc<bf16[{block_n},{block_k}]>"
-    ptrs["y_ptr"] = "fp32" if split > 1 or n == 151936 else "bf16"  # partials; logits in float32
-    aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
-    kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
+    kernel = _compile_skinny(max(16, rows), config, glu, tma, even_k=k % block_k == 0, fp32_out=n == 151936)
     usage = resource_usage(kernel.asm["cubin"])
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     if tma:  # the tiles come through the copy engine, several in flight
@@ -376,21 +383,8 @@ def test_skinny_gemm_gpu_case_shapes_fit_shared_memory(rows, config, glu):
     # the launch shapes the skinny GEMM's GPU cases fix, at the row counts they run (the row tile is
     # the next power of two): one past the H200's 227 KiB cannot launch there, which fails the case
     # without saying why (a 128-row tile needs 240 KiB at (64, 128, 2, 4, 5), 160 at 64 rows)
-    block_n, block_k, split, warps, stages = config
-    block_m = max(16, triton.next_power_of_2(rows))
     for tma in (False, True):
-        constexprs = {
-            "HAS_BIAS": False, "SPLIT": split > 1, "GLU": glu, "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "BLOCK_K": block_k, "EVEN_K": True, "DOT_F32": False, "PDL": True, "TMA": tma,
-            "X_DTYPE": tl.bfloat16,
-        }  # fmt: skip
-        ptrs = _all("bf16", "x_ptr", "w_ptr", "b_ptr", "y_ptr")
-        if tma:
-            ptrs["x_ptr"] = f"tensordesc<bf16[{block_m},{block_k}]>"
-            ptrs["w_ptr"] = f"tensordesc<bf16[{block_n},{block_k}]>"
-        ptrs["y_ptr"] = "fp32" if split > 1 else "bf16"
-        aligned = ("stride_x", "stride_w", "stride_y", "stride_ys", "N", "K", "K_PER_SPLIT")
-        kernel = compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
+        kernel = _compile_skinny(max(16, triton.next_power_of_2(rows)), config, glu, tma)
         assert kernel.metadata.shared <= 227 * 1024, (rows, config, tma, kernel.metadata.shared)
 
 
