@@ -34,7 +34,8 @@ SHAPES = [
 ]  # fmt: skip
 # "_glu": the gate/up product as the engine runs it at 1-2 rows, SiLU(gate) * up in the GEMV's
 # epilogue (N weight rows, N / 2 outputs); the Llama-3 ones (70B: one rank's half at TP = 2, 8 of its
-# 80 layers, 3.8 GB, enough to miss L2) for gemv_config's rule past WIDE_GLU
+# 80 layers, 3.8 GB, enough to miss L2) as well: weights past GEMV_MAX_WEIGHT, which the engine keeps on
+# cuBLAS then silu_and_mul (docs/BENCHMARKS.md, thirty-sixth session)
 
 
 def capture_graph(fn, keep: bool = False) -> torch.cuda.CUDAGraph:

@@ -327,7 +327,9 @@ def test_split_k_sum_rms_norm_compiles(pdl, prefetch):
         assert len(after) == (2 * 2 + 2) * len(before)
 
 
-def _compile_skinny(block_m: int, config: tuple[int, ...], glu: bool, tma: bool, even_k=True, fp32_out=False):
+def _compile_skinny(
+    block_m: int, config: tuple[int, ...], glu: bool, tma: bool, even_k: bool = True, fp32_out: bool = False
+):
     """The skinny GEMM built for sm_90 at launch shape `config` over block_m-row tiles, with pointer loads
     or tensor descriptors (tma); its output float32 where K is split (partials) or with fp32_out."""
     block_n, block_k, split, warps, stages = config
