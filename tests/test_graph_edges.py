@@ -26,10 +26,13 @@ def bench(monkeypatch):
     return graph_edges, bench_cublas_chain
 
 
-def _fill_then_copy(bench, x, row, wait: bool, pdl: bool):
+def _fill_then_copy(bench, x, row, wait: bool, pdl: bool, scratch=None):
+    """The slow fill of x's row 0, then (a memset of scratch, when given) the copy of it into row."""
     _, chain = bench
     block = chain.FILL_BLOCK
     chain._slow_fill[(x.shape[1] // block,)](x, 20_000, 0.5, 0.5, BLOCK=block)
+    if scratch is not None:
+        chain.memset(scratch)
     chain._copy[(x.shape[1] // block,)](x, row, WAIT=wait, BLOCK=block, launch_pdl=pdl)
 
 
@@ -90,14 +93,7 @@ def test_a_memset_between_moves_ahead_of_the_producer(bench):
     x = torch.zeros(2, 2048, device="cuda", dtype=torch.bfloat16)
     row = torch.empty(2048, device="cuda", dtype=torch.bfloat16)
     scratch = torch.empty(4096, device="cuda", dtype=torch.uint8)
-
-    def fn():
-        block = chain.FILL_BLOCK
-        chain._slow_fill[(x.shape[1] // block,)](x, 20_000, 0.5, 0.5, BLOCK=block)
-        chain.memset(scratch)
-        chain._copy[(x.shape[1] // block,)](x, row, WAIT=False, BLOCK=block)
-
-    g = chain.capture_graph(fn, keep=True)
+    g = chain.capture_graph(lambda: _fill_then_copy(bench, x, row, False, False, scratch), keep=True)
     graph = g.raw_cuda_graph()
     fill = lambda name: name == "_slow_fill"  # noqa: E731
     assert edges_mod.make_programmatic(graph, fill) == 0  # a memset is in the way
