@@ -289,3 +289,62 @@ def test_tokenizer_and_chat_template(tmp_path: Path) -> None:
     no_tok = make_tiny_checkpoint(tmp_path / "bare", "llama", tied=True, tokenizer=False, vocab_size=100)
     assert not (no_tok / "tokenizer.json").exists()
     assert load_model(no_tok)[1].vocab_size == 100
+
+
+def _weights_only(src: Path, dst: Path) -> Path:
+    """`dst` with src's config and weights and no tokenizer files, as save_pretrained leaves a model."""
+    dst.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_folder_without_tokenizer_runs_token_ids(tmp_path: Path) -> None:
+    """transformers 5 loads a folder with no tokenizer files as a one-token tokenizer (4.x raises);
+    either way the engine runs token-id prompts with the model's whole vocabulary."""
+    from thinkspec import LLM, SamplingParams
+
+    src = tiny_checkpoint("qwen3", tied=True)
+    folder = _weights_only(src, tmp_path / "weights_only")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [234, 12, 5]
+    expected = LLM(src, device="cpu").generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(folder, device="cpu")
+    assert llm.get_tokenizer() is None
+    out = llm.generate([prompt, {"prompt_token_ids": [250, 1]}, "text"], params, use_tqdm=False)
+    assert out[0].error is None and out[1].error is None
+    assert len(expected) == 6 and out[0].outputs[0].token_ids == expected
+    assert len(out[1].outputs[0].token_ids) == 6
+    assert out[2].outputs[0].finish_reason == "error"
+    assert "text prompts need a tokenizer" in out[2].error and str(folder.resolve()) in out[2].error
+    with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="reasoning_parser needs a tokenizer"):
+        LLM(folder, device="cpu", reasoning_parser="qwen3")
+    explicit = LLM(folder, device="cpu", skip_tokenizer_init=True)
+    assert explicit.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_tokenizer_used_only_when_it_fits(tmp_path: Path) -> None:
+    from thinkspec import LLM
+    from thinkspec.models.loader import load_tokenizer
+
+    src = tiny_checkpoint("qwen3", tied=True)
+    tok, why = load_tokenizer(str(src), TOKENIZER_SIZE, explicit=False)
+    assert tok is not None and len(tok) == TOKENIZER_SIZE and why == ""
+    # A model with fewer logits than the tokenizer has tokens: the tokenizer is not used.
+    tok, why = load_tokenizer(str(src), TOKENIZER_SIZE - 1, explicit=False)
+    assert tok is None and f"{TOKENIZER_SIZE} tokens" in why
+    small = make_tiny_checkpoint(tmp_path / "small", "qwen3", tied=True, tokenizer=False, vocab_size=200)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, small / name)
+    assert LLM(small, device="cpu").get_tokenizer() is None
+    with pytest.raises(ValueError, match="tokenizer=.* does not fit the model"):
+        LLM(small, device="cpu", tokenizer=str(src))
+    broken = _weights_only(src, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    (broken / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}', encoding="utf-8")
+    tok, why = load_tokenizer(str(broken), TOKENIZER_SIZE, explicit=False)
+    assert tok is None and "no tokenizer that loads" in why
+    with pytest.raises(ValueError, match="could not be loaded"):
+        load_tokenizer(str(broken), TOKENIZER_SIZE, explicit=True)

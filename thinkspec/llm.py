@@ -94,7 +94,7 @@ class LLM:
         them, through the tokenizer's chat template with add_generation_prompt=True."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
-            raise ValueError("chat() needs the tokenizer; this LLM was built with skip_tokenizer_init=True")
+            raise ValueError(f"chat() needs a tokenizer, there is none ({self.llm_engine._no_tokenizer})")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; use generate() with a formatted prompt")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)

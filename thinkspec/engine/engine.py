@@ -79,6 +79,7 @@ class LLMEngine:
             parts.model_runner.channel.explain = self.tp_workers.failure
         m = parts.models
         self.device, self.model, self.model_info, self.tokenizer = m.device, m.model, m.info, m.tokenizer
+        self._no_tokenizer = m.no_tokenizer
         self.eos_token_ids, self.draft_model, self.draft_info = m.eos_token_ids, m.draft_model, m.draft_info
         self.attention_backend, self.use_cuda_graphs = m.attention_backend, m.use_cuda_graphs
         self.configured_max_model_len, self.max_model_len = parts.configured_len, parts.max_model_len
@@ -173,7 +174,9 @@ class LLMEngine:
         """(prompt text or None, prompt token ids) for a string, a token-id list or a vLLM-style dict."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need the tokenizer (skip_tokenizer_init=True): pass token ids")
+                raise ValueError(
+                    f"text prompts need a tokenizer, there is none ({self._no_tokenizer}): pass token ids"
+                )
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:

@@ -31,7 +31,7 @@ from thinkspec.engine.model_runner import (
 from thinkspec.engine.scheduler import Scheduler
 from thinkspec.engine.speculator import Speculator
 from thinkspec.engine_args import EngineArgs
-from thinkspec.models.loader import ModelInfo, load_model
+from thinkspec.models.loader import ModelInfo, load_model, load_tokenizer
 from thinkspec.reasoning.parsers import ResolvedReasoning
 from thinkspec.sampling.sampler import Sampler
 from thinkspec.spec_decode.draft_model import check_draft_compatible
@@ -70,6 +70,7 @@ class Models:
     model: nn.Module
     info: ModelInfo
     tokenizer: Any | None
+    no_tokenizer: str  # why tokenizer is None (for error messages); "" when there is one
     eos_token_ids: frozenset[int]
     draft_model: nn.Module | None  # None on ranks > 0 when the draft is not split
     draft_info: ModelInfo | None
@@ -186,11 +187,13 @@ def load_models(args: EngineArgs, tp: TPLayout) -> Models:
     if tp.size > 1 and device.type == "cuda":
         device = torch.device("cuda", tp.rank)  # one GPU per rank
     model, info = load_model(args.model, args.dtype, device, args.load_format, tp)
-    tokenizer = None
+    tokenizer, no_tokenizer = None, "skip_tokenizer_init=True"
     if not args.skip_tokenizer_init and tp.rank == 0:
-        from transformers import AutoTokenizer  # here: workers (ranks > 0) skip its import time
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(info.path))
+        # A folder without a fitting tokenizer runs as skip_tokenizer_init does: token ids only.
+        source = args.tokenizer or str(info.path)
+        tokenizer, no_tokenizer = load_tokenizer(source, info.vocab_size, explicit=args.tokenizer is not None)
+        if tokenizer is None:
+            logger.warning("no tokenizer: %s; only token-id prompts can run", no_tokenizer)
     eos = list(info.eos_token_ids)
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in eos:
@@ -216,7 +219,8 @@ def load_models(args: EngineArgs, tp: TPLayout) -> Models:
         for m in (m for m in (model, draft_model) if m is not None):
             use_triton_kernels(m)
     return Models(
-        device=device, tp=tp, model=model, info=info, tokenizer=tokenizer, eos_token_ids=frozenset(eos),
+        device=device, tp=tp, model=model, info=info, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
+        eos_token_ids=frozenset(eos),
         draft_model=draft_model, draft_info=draft_info, draft_split=draft_split, attention_backend=backend,
         use_cuda_graphs=device.type == "cuda" and not args.enforce_eager and backend == "triton",
         bytes_per_block=bytes_per_block,
@@ -281,6 +285,9 @@ def _resolve_reasoning(args: EngineArgs, models: Models) -> ResolvedReasoning | 
     """Think markers and protected tokens; EOS ids are protected from relaxation too."""
     protect = tuple(sorted(models.eos_token_ids))
     spec = args.speculative_config
+    wants_parser = args.reasoning_parser is not None or (spec is not None and spec.build_reasoning_parser())
+    if models.tokenizer is None and wants_parser:
+        raise ValueError(f"reasoning_parser needs a tokenizer, and there is none: {models.no_tokenizer}")
     if spec is not None and spec.build_reasoning_parser() is not None:
         return spec.resolve_reasoning(models.tokenizer, extra_protected_token_ids=protect)
     if args.reasoning_parser is not None:

@@ -389,3 +389,29 @@ def _target(
     cls = type(model).__name__
     warnings.warn(f"checkpoint tensor {name!r} has no counterpart in {cls}; ignored", stacklevel=3)
     return None
+
+
+def load_tokenizer(source: str, vocab_size: int, *, explicit: bool) -> tuple[Any | None, str]:
+    """(tokenizer, "") when `source` holds one that fits a model of `vocab_size` logits, else
+    (None, why not). A fitting tokenizer has at least one ordinary (not added or special) token and
+    at most vocab_size tokens: transformers 5 loads a folder without tokenizer files as a tokenizer
+    of its one special token, which would reject every token id but 0.
+    explicit: the user named `source` as the tokenizer; then a load failure or misfit raises."""
+    from transformers import AutoTokenizer  # here: workers (ranks > 0) skip its import time
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # missing files, bad json, unknown class: all mean "no tokenizer"
+        if explicit:
+            raise ValueError(f"tokenizer={source!r} could not be loaded: {e}") from e
+        return None, f"{source} has no tokenizer that loads ({type(e).__name__})"
+    size, ordinary = len(tokenizer), len(tokenizer) - len(tokenizer.get_added_vocab())
+    if ordinary > 0 and size <= vocab_size:
+        return tokenizer, ""
+    why = (
+        f"the tokenizer in {source} has {size} tokens ({ordinary} ordinary); a model with {vocab_size} "
+        f"logits needs 1..{vocab_size} tokens, at least one ordinary"
+    )
+    if explicit:
+        raise ValueError(f"tokenizer={source!r} does not fit the model: {why}")
+    return None, why
