@@ -29,3 +29,30 @@ def test_demo_prints_both_modes_and_an_example(capsys):
     for _, _, accept_len, thinking_len in (strict, relaxed):
         assert 1 < accept_len <= 5 and 1 < thinking_len <= 5
     assert relaxed[3] > strict[3] + 0.5
+
+
+def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
+    import torch
+
+    from thinkspec.engine import factory
+
+    pick = factory.pick_cpu_threads
+    assert pick(2, 2, 1.1, {}) == 1  # a neighbour keeps one of two cores busy
+    assert pick(2, 2, 3.0, {}) == 1  # never below one
+    assert pick(2, 2, 0.2, {}) == 2  # alone: every core
+    assert pick(8, 32, 4.0, {}) == 8  # never above torch's count
+    assert pick(2, 2, 1.1, {"OMP_NUM_THREADS": "2"}) == 2  # the user's setting wins
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(factory, "_IMPORT_THREADS", 2)
+        monkeypatch.setattr(factory.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+        monkeypatch.setattr(factory.os, "sched_getaffinity", lambda pid: {0, 1})
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        factory.set_cpu_threads()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)  # set by the caller: kept
+        factory.set_cpu_threads()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -11,6 +11,8 @@ draft_tensor_parallel_size 1 lives on rank 0 only, whole.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,12 +182,40 @@ def build_runners(args: EngineArgs, models: Models) -> Runners:
     return Runners(configured_len, max_model_len, num_blocks, graph_memory, pool, target, draft)
 
 
+# torch's intra-op thread count when this module was imported: a different count later means
+# the caller chose one (torch.set_num_threads), which is kept.
+_IMPORT_THREADS = torch.get_num_threads()
+
+
+def pick_cpu_threads(current: int, cores: int, load: float, env: Mapping[str, str]) -> int:
+    """Intra-op threads for the engine on CPU: one per core no other process keeps busy (at least 1,
+    at most `current`), since torch's pool stalls each parallel region while a thread waits for a
+    taken core. `current` (torch's count) stays when OMP_NUM_THREADS is set."""
+    if env.get("OMP_NUM_THREADS"):
+        return current
+    return max(1, min(current, cores - round(load)))
+
+
+def set_cpu_threads() -> None:
+    """Apply pick_cpu_threads from the 1-minute load average, unless torch.set_num_threads was called."""
+    current = torch.get_num_threads()
+    if current != _IMPORT_THREADS:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = pick_cpu_threads(current, cores, os.getloadavg()[0], os.environ)
+    if threads != current:
+        logger.info("CPU: %d intra-op thread(s) of %d (other processes keep the rest busy)", threads, current)
+        torch.set_num_threads(threads)
+
+
 def load_models(args: EngineArgs, tp: TPLayout) -> Models:
     """Target, tokenizer and draft (loaded before KV sizing: its weights count), with their kernels;
     rank tp.rank's shards of them (the tokenizer on rank 0 only)."""
     device = resolve_device(args.device)
     if tp.size > 1 and device.type == "cuda":
         device = torch.device("cuda", tp.rank)  # one GPU per rank
+    if device.type == "cpu":
+        set_cpu_threads()
     model, info = load_model(args.model, args.dtype, device, args.load_format, tp)
     tokenizer, no_tokenizer = None, "skip_tokenizer_init=True"
     if not args.skip_tokenizer_init and tp.rank == 0:
@@ -207,7 +237,12 @@ def load_models(args: EngineArgs, tp: TPLayout) -> Models:
     if spec is not None and spec.method == "draft_model" and (draft_split or tp.rank == 0):
         assert spec.model is not None
         draft_tp = tp if draft_split else TPLayout()
-        draft_model, draft_info = load_model(spec.model, info.dtype, device, args.load_format, draft_tp)
+        try:
+            draft_model, draft_info = load_model(spec.model, info.dtype, device, args.load_format, draft_tp)
+        except FileNotFoundError as e:  # the target loaded: say which checkpoint is missing
+            raise FileNotFoundError(f"speculative_config.model: {e}") from e
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
         check_draft_compatible(tokenizer, info, draft_info)
         d = draft_info
         # Both pools share the block tables, so one block costs the sum of the two.
