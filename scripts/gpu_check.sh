@@ -12,41 +12,41 @@
 #   throughput  decode tok/s: HF eager, HF static cache, thinkspec plain and speculative (8B shape);
 #               THROUGHPUT_ARGS go to bench_throughput.py (e.g. "--skip-hf --batch-sizes 1")
 #   projection  the projection of a sweep's cells (PROJECTION_SWEEP, PROJECTION_CELLS) against the engine
-#               replaying their acceptance at Qwen3-8B / 0.6B shapes (benchmarks/validate_projection.py)
+#               replaying their acceptance at Qwen3-8B / 0.6B shapes (benchmarks/speculative/validate_projection.py)
 #   adaptive    adaptive_k vs plain and fixed k 1..8 at Qwen3-8B / 0.6B shapes, batch 1-128, a good and a bad
-#               synthetic draft, with the issue's criteria as ratios (benchmarks/bench_adaptive.py);
+#               synthetic draft, with the issue's criteria as ratios (benchmarks/speculative/bench_adaptive.py);
 #               ADAPTIVE_ARGS replace its defaults (e.g. "--batch-sizes 1,16 --fixed-ks 2,4,6 --repeats 1");
 #               the bundled toy pair with real, relaxed acceptance (adaptive vs the best fixed k):
 #               ADAPTIVE_ARGS="--toy --batch-sizes 1,16,64 --repeats 3"
 #   overhead    what a speculating engine's plain steps cost on the host-bound toy pair, mode by mode against
-#               plain decoding (benchmarks/toy_plain_overhead.py; OVERHEAD_ARGS, e.g. "--batch-sizes 1,16,64
+#               plain decoding (benchmarks/toy/toy_plain_overhead.py; OVERHEAD_ARGS, e.g. "--batch-sizes 1,16,64
 #               --modes plain,adaptive,adaptive-fresh-pass,adaptive-no-bookkeeping")
 #   bookkeeping host microseconds of an adaptive engine's bookkeeping per plain decode step (plan + record_plan),
-#               plain streaks on and off (benchmarks/bench_plain_bookkeeping.py; BOOKKEEPING_ARGS)
+#               plain streaks on and off (benchmarks/engine/bench_plain_bookkeeping.py; BOOKKEEPING_ARGS)
 #   long        long contexts: decode tok/s (plain, speculative AL 3) and the speculative round's parts
 #               at 8k (batch 1, 16) and 32k (batch 1) prompts; HF skipped
 #   graphs      eager vs CUDA graphs, KV pool vs gpu_memory_utilization, batch-1 kernel profile (8B shape)
 #   gemv        decode-step projections: cuBLAS vs the Triton GEMV over a launch-shape grid (GEMV_ARGS)
 #   argmax      greedy sampling: torch.argmax vs the one-launch Triton argmax at 1-128 rows of Qwen3's
-#               vocabulary (benchmarks/bench_argmax.py; ARGMAX_ARGS)
+#               vocabulary (benchmarks/kernels/bench_argmax.py; ARGMAX_ARGS)
 #   skinny      Qwen3-8B projections at 4..64 rows (SKINNY_ARGS "--model 0.6b": the draft's): cuBLAS vs the
 #               skinny Triton GEMM's launch shapes, the per-step totals at rows 16 and 64, and the
-#               SKINNY_GEMM_TABLE entries it implies (benchmarks/bench_skinny_gemm.py; SKINNY_ARGS, e.g.
+#               SKINNY_GEMM_TABLE entries it implies (benchmarks/kernels/bench_skinny_gemm.py; SKINNY_ARGS, e.g.
 #               "--rows 16,64 --refine 1")
 #   chain       the batch-64 verify's products on cuBLAS as one CUDA graph: replay time against the kernels' own,
 #               i.e. what the boundaries between cuBLAS launches cost, the same with programmatic edges, and
-#               whether cuBLAS's kernels wait on one (a race test) (benchmarks/bench_cublas_chain.py; CHAIN_ARGS)
+#               whether cuBLAS's kernels wait on one (a race test) (benchmarks/kernels/bench_cublas_chain.py; CHAIN_ARGS)
 #   census      the engine's captured graphs, edges by kind: programmatic (PDL) or full launch boundaries, and
-#               what the full ones lead into (benchmarks/graph_census.py; CENSUS_ARGS, e.g. "--batch-sizes 1,64")
+#               what the full ones lead into (benchmarks/engine/graph_census.py; CENSUS_ARGS, e.g. "--batch-sizes 1,64")
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
 #               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256"; with
 #               "--layouts nhd,hnd --repeats 3" the KV blocks head-major as well, side by side)
 #   overlap     drafting ahead during the verify: the verify and the next draft forwards on two CUDA streams
 #               against the serial round, and whether it pays at the thinking profile's acceptance
-#               (benchmarks/bench_overlap.py; OVERLAP_ARGS, e.g. "--batch-sizes 1 --ks 1,2,4")
-#   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/tune_acceptance.py)
+#               (benchmarks/speculative/bench_overlap.py; OVERLAP_ARGS, e.g. "--batch-sizes 1 --ks 1,2,4")
+#   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/kernels/tune_acceptance.py)
 #   host        how steady one host core is: fixed Python work timed in chunks, unpinned and pinned
-#               (benchmarks/host_noise.py; HOST_ARGS, default "--seconds 30")
+#               (benchmarks/engine/host_noise.py; HOST_ARGS, default "--seconds 30")
 #   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
 #               "batch[:max_model_len[:mode]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
@@ -67,7 +67,7 @@
 #               SWEEP_HF, SWEEP_ARGS
 #               (SWEEP_LEVEL=hard: the hard level, with its own max_tokens)
 #   tp          tensor parallelism (needs >= TP_SIZE GPUs, default 2): the TP=2 vs TP=1 bf16 GPU test,
-#               then benchmarks/bench_tp.py (all-reduce latency, Llama-3-70B shape step time vs the
+#               then benchmarks/engine/bench_tp.py (all-reduce latency, Llama-3-70B shape step time vs the
 #               per-GPU floor, with a Llama-3-8B draft TP / replicated, Qwen3-8B TP vs TP=1) into
 #               $OUT/tp.json; TP_ARGS go to bench_tp.py (e.g. "--parts allreduce,plain"; at 8 GPUs
 #               TP_SIZE=8 TP_ARGS="--target llama3-405b --batch-sizes 1 ..."); TP_TESTS=0 skips the test
@@ -120,57 +120,57 @@ if has tests; then
 fi
 
 
-has spec_round && bench spec_round bench_spec_round.py 200 --kernel-profile
-has throughput && bench throughput bench_throughput.py 420
+has spec_round && bench spec_round speculative/bench_spec_round.py 200 --kernel-profile
+has throughput && bench throughput engine/bench_throughput.py 420
 
 if has projection; then
-  timeout "${PROJECTION_TIMEOUT:-300}" $PY benchmarks/validate_projection.py \
+  timeout "${PROJECTION_TIMEOUT:-300}" $PY benchmarks/speculative/validate_projection.py \
     --sweep "${PROJECTION_SWEEP:-docs/sweep-toy-h200/sweep.json}" --cells "${PROJECTION_CELLS:-T=0 strict,T=0 r=0.3 k=8}" \
     --out "$OUT/projection.json" ${PROJECTION_ARGS:-} 2>&1 | tee "$OUT/projection.log"
   record projection "${PIPESTATUS[0]}" "${PROJECTION_TIMEOUT:-300}"
 fi
 
-has adaptive && bench adaptive bench_adaptive.py 480 "--repeats 2" bars
-has overhead && bench overhead toy_plain_overhead.py 400 "" bars
-has bookkeeping && bench bookkeeping bench_plain_bookkeeping.py 200 "" bars
+has adaptive && bench adaptive speculative/bench_adaptive.py 480 "--repeats 2" bars
+has overhead && bench overhead toy/toy_plain_overhead.py 400 "" bars
+has bookkeeping && bench bookkeeping engine/bench_plain_bookkeeping.py 200 "" bars
 
 if has long; then
   for spec in 8192:1,16 32768:1; do
     IFS=: read -r len batches <<<"$spec"
-    timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/bench_throughput.py --skip-hf --prompt-len "$len" \
+    timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/engine/bench_throughput.py --skip-hf --prompt-len "$len" \
       --batch-sizes "$batches" --acceptance-lengths 3 --out "$OUT/long_throughput_$len.json" 2>&1 \
       | grep -v 'it/s' | tee -a "$OUT/long.log" | tail -n 8
     record "long throughput prompt $len" "${PIPESTATUS[0]}" "${LONG_TIMEOUT:-200}"
-    timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/bench_spec_round.py --prompt-len "$len" --batch-sizes "$batches" \
+    timeout "${LONG_TIMEOUT:-200}" $PY benchmarks/speculative/bench_spec_round.py --prompt-len "$len" --batch-sizes "$batches" \
       --out "$OUT/long_spec_round_$len.json" 2>&1 | tee -a "$OUT/long.log" | tail -n 4
     record "long spec_round prompt $len" "${PIPESTATUS[0]}" "${LONG_TIMEOUT:-200}"
   done
 fi
 
 if has graphs; then
-  timeout "${GRAPHS_TIMEOUT:-240}" $PY benchmarks/bench_graphs.py --out "$OUT/graphs.json" >"$OUT/graphs.log" 2>&1
+  timeout "${GRAPHS_TIMEOUT:-240}" $PY benchmarks/engine/bench_graphs.py --out "$OUT/graphs.json" >"$OUT/graphs.log" 2>&1
   rc=$?
   record graphs "$rc" "${GRAPHS_TIMEOUT:-240}" "$(tail -n 1 "$OUT/graphs.log")"
 fi
 
-has gemv && bench gemv bench_gemv.py 240
-has argmax && bench argmax bench_argmax.py 120
+has gemv && bench gemv kernels/bench_gemv.py 240
+has argmax && bench argmax kernels/bench_argmax.py 120
 
 if has skinny; then
-  timeout "${SKINNY_TIMEOUT:-300}" $PY benchmarks/bench_skinny_gemm.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} 2>&1 \
+  timeout "${SKINNY_TIMEOUT:-300}" $PY benchmarks/kernels/bench_skinny_gemm.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} 2>&1 \
     | tee "$OUT/skinny.log"
   rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] && $PY benchmarks/bench_skinny_gemm.py --table-from "$OUT/skinny.json" 2>&1 | tee -a "$OUT/skinny.log"
+  [ "$rc" -eq 0 ] && $PY benchmarks/kernels/bench_skinny_gemm.py --table-from "$OUT/skinny.json" 2>&1 | tee -a "$OUT/skinny.log"
   record skinny "$rc" "${SKINNY_TIMEOUT:-300}"
 fi
 
-has chain && bench chain bench_cublas_chain.py 120
-has census && bench census graph_census.py 200
-has attention && bench attention bench_attention.py 240
-has overlap && bench overlap bench_overlap.py 300
+has chain && bench chain kernels/bench_cublas_chain.py 120
+has census && bench census engine/graph_census.py 200
+has attention && bench attention kernels/bench_attention.py 240
+has overlap && bench overlap speculative/bench_overlap.py 300
 
 if has tune; then
-  timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/tune_acceptance.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 \
+  timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/kernels/tune_acceptance.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 \
     | tee "$OUT/tune.log" | tail -n 12
   record tune "${PIPESTATUS[0]}" "${TUNE_TIMEOUT:-240}"
 fi
@@ -180,7 +180,7 @@ if has acceptance; then
   cfg=()
   [ -f "$OUT/tune.json" ] && cfg=(--stats-config "$($PY -c 'import json,sys; b=json.load(open(sys.argv[1]))["best"]
 print(",".join(str(b[k]) for k in ("tile","vec","warps","maxnreg")))' "$OUT/tune.json")")
-  timeout "${ACCEPTANCE_TIMEOUT:-240}" $PY benchmarks/bench_acceptance.py --out "$OUT/acceptance.json" "${cfg[@]}" \
+  timeout "${ACCEPTANCE_TIMEOUT:-240}" $PY benchmarks/kernels/bench_acceptance.py --out "$OUT/acceptance.json" "${cfg[@]}" \
     2>&1 | tee "$OUT/acceptance.log"
   record acceptance "${PIPESTATUS[0]}" "${ACCEPTANCE_TIMEOUT:-240}" "${cfg[*]}"
 fi
@@ -199,7 +199,7 @@ if has step; then
     fi
     [[ "$mode" == switch* ]] && spec=(--spec "${mode#switch}" --switch "${SWITCH_PLAIN:-24}" --steps 10 --warmup 2)
     name="step_${#steps[@]}_${bs}_${len:-short}${mode:+_$mode}"  # a run listed twice keeps both files
-    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/profile_step.py --batch "$bs" "${spec[@]}" ${STEP_ARGS:-} \
+    timeout "${STEP_TIMEOUT:-150}" $PY benchmarks/engine/profile_step.py --batch "$bs" "${spec[@]}" ${STEP_ARGS:-} \
       --engine-args "{$(IFS=,; echo "${args[*]}")}" --out "$OUT/$name.json" 2>&1 | tee -a "$OUT/step.log" | tail -n 21
     record "step batch $bs max_model_len ${len:-short} ${mode:-async}" "${PIPESTATUS[0]}" "${STEP_TIMEOUT:-150}"
     steps+=("$OUT/$name.json")
@@ -209,10 +209,10 @@ if has step; then
     "$OUT/step.json" "${steps[@]}" 2>/dev/null && rm -f "${steps[@]}"
 fi
 
-has host && bench host host_noise.py 150 "--seconds 30"
+has host && bench host engine/host_noise.py 150 "--seconds 30"
 
 if has profile; then
-  timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/profile_toy.py --device cuda --num-problems 256 \
+  timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/toy/profile_toy.py --device cuda --num-problems 256 \
     ${PROFILE_ARGS:-} >"$OUT/profile.log" 2>&1
   rc=$?
   record profile "$rc" "${PROFILE_TIMEOUT:-180}" "($(head -1 "$OUT/profile.log"))"
@@ -250,7 +250,7 @@ if has drafts; then
 fi
 
 if has toy; then
-  timeout "${TOY_TIMEOUT:-240}" $PY benchmarks/toy_quality.py --num-problems "${TOY_N:-500}" \
+  timeout "${TOY_TIMEOUT:-240}" $PY benchmarks/toy/toy_quality.py --num-problems "${TOY_N:-500}" \
     --drafts "${TOY_DRAFTS:-draft}" --relax "${TOY_RELAX:-0.3:3,0.1:8}" --device cuda \
     --max-num-seqs 256 --out "$OUT/toy_quality.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/toy_quality.log"
   record toy "${PIPESTATUS[0]}" "${TOY_TIMEOUT:-240}"
@@ -276,7 +276,7 @@ if has tp; then
     record tp_tests "$rc" "${TP_TESTS_TIMEOUT:-300}" \
       "$(grep -E '(passed|failed|error|no tests ran)' "$OUT/tp_tests.log" | tail -1)"
   fi
-  timeout "${TP_TIMEOUT:-1500}" $PY benchmarks/bench_tp.py --tp "${TP_SIZE:-2}" --out "$OUT/tp.json" ${TP_ARGS:-} \
+  timeout "${TP_TIMEOUT:-1500}" $PY benchmarks/engine/bench_tp.py --tp "${TP_SIZE:-2}" --out "$OUT/tp.json" ${TP_ARGS:-} \
     2>&1 | tee "$OUT/tp.log"
   record tp "${PIPESTATUS[0]}" "${TP_TIMEOUT:-1500}"
 fi

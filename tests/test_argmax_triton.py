@@ -140,7 +140,7 @@ def test_gpu_argmax_under_capture_uses_torch():
 
 @interp
 def test_interp_bench_argmax_smoke(tmp_path):
-    # benchmarks/bench_argmax.py on CPU: each method checked against torch, JSON and table written
+    # benchmarks/kernels/bench_argmax.py on CPU: each method checked against torch, JSON and table written
     import json
     import os
     import subprocess
@@ -149,7 +149,8 @@ def test_interp_bench_argmax_smoke(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "argmax.json"
-    cmd = [sys.executable, "benchmarks/bench_argmax.py", "--device", "cpu", "--vocab", "300", "--rows", "1,3",
+    cmd = [sys.executable, "benchmarks/kernels/bench_argmax.py", "--device", "cpu", "--vocab", "300",
+           "--rows", "1,3",
            "--rounds", "1", "--calls", "1", "--out", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)

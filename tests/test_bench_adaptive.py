@@ -1,4 +1,5 @@
-"""benchmarks/bench_adaptive.py on the bundled toy pair (--toy) runs on CPU, and its determinism check."""
+"""benchmarks/speculative/bench_adaptive.py on the bundled toy pair (--toy) runs on CPU, and its determinism
+check."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ K_MAX = 2
 @pytest.mark.slow
 def test_bench_adaptive_toy_smoke(tmp_path):
     out = tmp_path / "adaptive.json"
-    cmd = [sys.executable, "benchmarks/bench_adaptive.py", "--toy", "--device", "cpu", "--batch-sizes", "1,2",
+    cmd = [sys.executable, "benchmarks/speculative/bench_adaptive.py", "--toy", "--device", "cpu",
+           "--batch-sizes", "1,2",
            "--repeats", "2", "--fixed-ks", "1,2", "--k-max", str(K_MAX), "--max-tokens", "16",
            "--engine-args", '{"async_scheduling": true}', "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -76,8 +78,8 @@ def test_bench_adaptive_toy_smoke(tmp_path):
 def test_record_checks_determinism_of_fixed_policies(monkeypatch):
     """Greedy outputs that change between repetitions fail a plain or fixed-k cell; an adaptive
     cell's (its choices follow what it learns) are recorded as not repeating."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = importlib.import_module("bench_adaptive")
+    monkeypatch.syspath_prepend(str(ROOT))
+    bench = importlib.import_module("benchmarks.speculative.bench_adaptive")
     args = type("Args", (), {"temperature": 0.0})()
     cells = [
         ("plain", "", "plain", None),
@@ -103,8 +105,8 @@ def test_record_checks_determinism_of_fixed_policies(monkeypatch):
 def test_summary_pairs_adaptive_with_the_best_cell_within_each_repetition(monkeypatch):
     """The criterion's ratio is of medians; the paired one is the median of the ratios within each
     repetition, against the cell that is best by median (plain where plain is faster)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = importlib.import_module("bench_adaptive")
+    monkeypatch.syspath_prepend(str(ROOT))
+    bench = importlib.import_module("benchmarks.speculative.bench_adaptive")
     args = type("Args", (), {"toy": False})()
 
     def row(cell, b, reps):
@@ -139,8 +141,8 @@ def test_summary_pairs_adaptive_with_the_best_cell_within_each_repetition(monkey
 def test_timed_run_times_decode_from_the_batch_first_token(monkeypatch):
     """tok/s = the tokens after each request's first over the time from the batch's first token to its
     last; the prefill before it (whose host time varies from run to run) is not in it."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = importlib.import_module("bench_adaptive")
+    monkeypatch.syspath_prepend(str(ROOT))
+    bench = importlib.import_module("benchmarks.speculative.bench_adaptive")
     from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     clock = {"now": 100.0}
@@ -168,8 +170,8 @@ def test_timed_run_times_decode_from_the_batch_first_token(monkeypatch):
 def test_phase_ks_cells_are_reported_apart_from_fixed_k(monkeypatch):
     """A k=T/A cell drafts T tokens on thinking rows and A on answer rows; the summary's best fixed k
     leaves such cells out (the criteria name fixed k) and reports the best pair beside it."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = importlib.import_module("bench_adaptive")
+    monkeypatch.syspath_prepend(str(ROOT))
+    bench = importlib.import_module("benchmarks.speculative.bench_adaptive")
     from thinkspec.spec_decode.draft_length import ANSWER, THINKING, THINKING_RELAXED
 
     policy = bench.forced(8, (5, 2))
@@ -197,7 +199,7 @@ def test_phase_ks_cells_are_reported_apart_from_fixed_k(monkeypatch):
 
 @pytest.mark.parametrize("value", ["4", "4:2:1", "9:2", "4:-1", "a:2"])
 def test_bad_phase_ks_fail_before_running(value):
-    cmd = [sys.executable, "benchmarks/bench_adaptive.py", "--phase-ks", value]
+    cmd = [sys.executable, "benchmarks/speculative/bench_adaptive.py", "--phase-ks", value]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"--phase-ks takes THINKING:ANSWER pairs of draft lengths in [0, 8], got '{value}'" in proc.stderr

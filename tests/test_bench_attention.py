@@ -1,5 +1,5 @@
-"""benchmarks/bench_attention.py on CPU: its cases take the draft's head counts, and a bad --heads fails
-with a clear message before anything runs."""
+"""benchmarks/kernels/bench_attention.py on CPU: its cases take the draft's head counts, and a bad --heads
+fails with a clear message before anything runs."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_decode_case_takes_the_head_counts(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from bench_attention import decode_case
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.kernels.bench_attention import decode_case
 
     gen = torch.Generator().manual_seed(0)
     q, k, v, caches, meta = decode_case(3, 40, 2, torch.device("cpu"), gen, queries=5, heads=(16, 8))
@@ -31,7 +31,7 @@ def test_decode_case_takes_the_head_counts(monkeypatch):
 @pytest.mark.parametrize("heads", ["16", "16,6", "0,8", "16,8,2"])
 def test_bad_heads_fail_before_running(heads):
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_attention.py"), "--heads", heads],
+        [sys.executable, str(BENCH / "kernels" / "bench_attention.py"), "--heads", heads],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
@@ -39,8 +39,8 @@ def test_bad_heads_fail_before_running(heads):
 
 
 def test_relayout_keeps_the_values_and_stores_heads_together(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from bench_attention import relayout
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.kernels.bench_attention import relayout
 
     cache = torch.randn(5, 16, 8, 128)
     assert relayout(cache, "nhd") is cache
@@ -56,7 +56,7 @@ def test_relayout_keeps_the_values_and_stores_heads_together(monkeypatch):
 ])  # fmt: skip
 def test_bad_layouts_or_repeats_fail_before_running(flag, value, message):
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_attention.py"), flag, value],
+        [sys.executable, str(BENCH / "kernels" / "bench_attention.py"), flag, value],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

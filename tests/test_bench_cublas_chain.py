@@ -1,4 +1,5 @@
-"""benchmarks/bench_cublas_chain.py on CPU: when its race test decides nothing (the kernels need a GPU)."""
+"""benchmarks/kernels/bench_cublas_chain.py on CPU: when its race test decides nothing (the kernels need a
+GPU)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_the_race_test_is_inconclusive_when_a_control_fails_or_nothing_was_rewired(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from bench_cublas_chain import inconclusive
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.kernels.bench_cublas_chain import inconclusive
 
     def case(consumer, stale, rewired=1, n=0):
         return dict(consumer=consumer, n=n, k=4096, stale=stale, rewired=rewired)

@@ -1,6 +1,6 @@
-"""benchmarks/bench_overlap.py on CPU: the expected round of drafting ahead, the default acceptance rate,
-and bad arguments failing with a clear message before anything runs (the cells need a GPU: two CUDA
-streams replaying CUDA graphs)."""
+"""benchmarks/speculative/bench_overlap.py on CPU: the expected round of drafting ahead, the default
+acceptance rate, and bad arguments failing with a clear message before anything runs (the cells need a GPU:
+two CUDA streams replaying CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPT = str(BENCH / "bench_overlap.py")
+SCRIPT = str(BENCH / "speculative" / "bench_overlap.py")
 
 
 def test_expected_gain_counts_the_rounds_drafted_again(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from bench_overlap import expected_gain
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.speculative.bench_overlap import expected_gain
 
     # k = 2, c = 0.5: ahead succeeds with p = 0.125; a failed round drafts its 2 ms again
     got = expected_gain({"serial": 7.0, "overlapped": 5.0, "drafts": 2.0}, 2, 0.5)
@@ -33,8 +33,8 @@ def test_expected_gain_counts_the_rounds_drafted_again(monkeypatch):
 
 
 def test_default_rate_is_the_thinking_profile(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from bench_overlap import thinking_rate
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.speculative.bench_overlap import thinking_rate
 
     c = thinking_rate()
     assert 1 + sum(c**i for i in range(1, 9)) == pytest.approx(4.6, abs=1e-4)  # AL 4.6 over K = 8

@@ -1,4 +1,4 @@
-"""benchmarks/bench_plain_bookkeeping.py runs on CPU: its modes take the per-row pass as they say."""
+"""benchmarks/engine/bench_plain_bookkeeping.py runs on CPU: its modes take the per-row pass as they say."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from script_env import ENV, ROOT
 
 def test_bench_plain_bookkeeping_smoke(tmp_path):
     out = tmp_path / "bookkeeping.json"
-    cmd = [sys.executable, "benchmarks/bench_plain_bookkeeping.py", "--device", "cpu", "--batch-sizes", "1,4",
+    cmd = [sys.executable, "benchmarks/engine/bench_plain_bookkeeping.py", "--device", "cpu",
+           "--batch-sizes", "1,4",
            "--chunks", "2", "--steps", "20", "--k-max", "4", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_spec_round.py on CPU (tiny shapes): it runs, and its JSON holds
+"""Smoke test of benchmarks/speculative/bench_spec_round.py on CPU (tiny shapes): it runs, and its JSON holds
 every part of the round, timed alone and back to back."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def test_small_run_writes_every_part(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_spec_round.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "speculative" / "bench_spec_round.py"
     out = tmp_path / "spec_round.json"
     args = ["--small", "--device", "cpu", "--rounds", "2", "--warmup", "1", "--reps", "2"]
     args += ["--batch-sizes", "1,3"]

@@ -190,7 +190,8 @@ def test_stream_costs_one_step_and_no_python_decode_per_token(monkeypatch):
 
 
 def test_bench_detokenize_smoke(tmp_path):
-    # benchmarks/bench_detokenize.py runs and both paths agree (it asserts so); figures in BENCHMARKS.md
+    # benchmarks/engine/bench_detokenize.py runs and both paths agree (it asserts so); figures in
+    # BENCHMARKS.md
     import json
     import subprocess
     import sys
@@ -200,7 +201,7 @@ def test_bench_detokenize_smoke(tmp_path):
     out = tmp_path / "detok.json"
     cmd = [
         sys.executable,
-        "benchmarks/bench_detokenize.py",
+        "benchmarks/engine/bench_detokenize.py",
         "--num-tokens",
         "500",
         "--repeats",

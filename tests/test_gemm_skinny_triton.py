@@ -272,7 +272,7 @@ def test_interp_linear_dispatches_by_the_table(monkeypatch):
 def test_interp_benchmark_smoke(tmp_path):
     # bench_skinny_gemm --small: tiny shapes, each launch shape checked against F.linear, JSON written,
     # and --table-from reads it back
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_skinny_gemm.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels" / "bench_skinny_gemm.py"
     out = tmp_path / "skinny.json"
     flags = ["--rows", "16", "--block-n", "32", "--block-k", "64", "--split", "1,2", "--warps", "4",
              "--stages", "3", "--refine", "1"]  # fmt: skip

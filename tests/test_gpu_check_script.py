@@ -87,19 +87,21 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "spec_round: TIMED OUT after 1s" in lines
     assert "throughput: FAILED (exit 3)" in lines
     assert "gemv: ok" in lines and "argmax: ok" in lines
-    assert "fake run: benchmarks/bench_argmax.py --out" in stdout
+    assert "fake run: benchmarks/kernels/bench_argmax.py --out" in stdout
     assert lines[-1] == "FAILED: 2 stage(s): spec_round,throughput"
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
 
 
 @pytest.mark.parametrize("stage", ["adaptive", "overlap", "overhead", "bookkeeping", "chain", "census"])
 def test_stage_passes_its_args_and_is_time_boxed(tmp_path, stage):
-    scripts = {"overhead": "toy_plain_overhead", "bookkeeping": "bench_plain_bookkeeping",
-               "chain": "bench_cublas_chain", "census": "graph_census"}  # fmt: skip
-    script = scripts.get(stage, f"bench_{stage}")
+    scripts = {"overhead": "toy/toy_plain_overhead", "bookkeeping": "engine/bench_plain_bookkeeping",
+               "chain": "kernels/bench_cublas_chain", "census": "engine/graph_census",
+               "adaptive": "speculative/bench_adaptive", "overlap": "speculative/bench_overlap"}  # fmt: skip
+    path = scripts[stage]
+    script = path.split("/")[-1]
     rc, stdout, summary = _run(tmp_path, stage, **{f"{stage.upper()}_ARGS": "--batch-sizes 1,16 --repeats 1"})
     assert rc == 0 and f"{stage}: ok" in summary.splitlines()
-    assert f"fake run: benchmarks/{script}.py --out" in stdout and "--batch-sizes 1,16 --repeats 1" in stdout
+    assert f"fake run: benchmarks/{path}.py --out" in stdout and "--batch-sizes 1,16 --repeats 1" in stdout
     rc, _, summary = _run(tmp_path, stage, FAKE_HANG=script, **{f"{stage.upper()}_TIMEOUT": "1"})
     assert rc != 0 and f"{stage}: TIMED OUT after 1s" in summary.splitlines()
     rc, _, summary = _run(tmp_path, stage, FAKE_FAIL=script)  # a failing benchmark fails its stage
@@ -111,7 +113,7 @@ def test_tp_stage_runs_the_gpu_test_and_the_benchmark(tmp_path):
     assert rc == 0, stdout
     lines = summary.splitlines()
     assert "tp_tests: ok 3 passed in 0.01s" in lines and "tp: ok" in lines
-    assert "fake run: benchmarks/bench_tp.py --tp 4 --out" in stdout
+    assert "fake run: benchmarks/engine/bench_tp.py --tp 4 --out" in stdout
     assert "--parts allreduce,plain" in stdout
 
 
@@ -124,8 +126,8 @@ def test_tp_stage_can_skip_its_test(tmp_path):
 def test_skinny_stage_passes_its_args_and_prints_the_table(tmp_path):
     rc, stdout, summary = _run(tmp_path, "skinny", SKINNY_ARGS="--rows 16,64")
     assert rc == 0 and "skinny: ok" in summary.splitlines()
-    assert "fake run: benchmarks/bench_skinny_gemm.py --out" in stdout and "--rows 16,64" in stdout
-    assert "fake run: benchmarks/bench_skinny_gemm.py --table-from" in stdout
+    assert "fake run: benchmarks/kernels/bench_skinny_gemm.py --out" in stdout and "--rows 16,64" in stdout
+    assert "fake run: benchmarks/kernels/bench_skinny_gemm.py --table-from" in stdout
     rc, _, summary = _run(tmp_path, "skinny", FAKE_FAIL="bench_skinny_gemm")
     assert rc != 0 and "skinny: FAILED (exit 3)" in summary.splitlines()
 
@@ -136,7 +138,8 @@ def test_step_modes_reach_profile_step(tmp_path):
     off. A run listed twice keeps both results."""
     rc, stdout, summary = _run(tmp_path, "step", STEP_RUNS="1::spec4 1::ahead4 16::sync 1::spec4")
     assert rc == 0, stdout
-    lines = [line for line in stdout.splitlines() if line.startswith("fake run: benchmarks/profile_step.py")]
+    prefix = "fake run: benchmarks/engine/profile_step.py"
+    lines = [line for line in stdout.splitlines() if line.startswith(prefix)]
     runs = list(dict.fromkeys(lines))  # each run's line is echoed and shown
     assert len(runs) == 4, stdout
     assert '--spec 4 --device-phases --engine-args {"async_scheduling": false}' in runs[0]

@@ -1,4 +1,4 @@
-"""benchmarks/graph_census.py's counting on CPU (the census itself reads CUDA graphs on a GPU)."""
+"""benchmarks/engine/graph_census.py's counting on CPU (the census itself reads CUDA graphs on a GPU)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_summarize_counts_nodes_by_identity_and_full_edges_by_target(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from graph_census import summarize
-    from graph_edges import FULL, PROGRAMMATIC
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.engine.graph_census import summarize
+    from benchmarks.kernels.graph_edges import FULL, PROGRAMMATIC
 
     # two nodes share a kernel name: they are still two nodes
     named = [
@@ -29,6 +29,7 @@ def test_summarize_counts_nodes_by_identity_and_full_edges_by_target(monkeypatch
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without CUDA")
 def test_without_cuda_it_says_so():
-    proc = subprocess.run([sys.executable, str(BENCH / "graph_census.py")], capture_output=True, text=True,
-                          timeout=120, cwd=BENCH.parent)  # fmt: skip
+    script = str(BENCH / "engine" / "graph_census.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
+                          cwd=BENCH.parent)  # fmt: skip
     assert proc.returncode != 0 and "needs a CUDA device" in proc.stderr

@@ -1,4 +1,4 @@
-"""benchmarks/graph_edges.py on a GPU: capture records a PDL launch as a programmatic edge, and the
+"""benchmarks/kernels/graph_edges.py on a GPU: capture records a PDL launch as a programmatic edge, and the
 rewrite of a full edge into a programmatic one takes effect (a consumer that does not wait then reads
 before its producer has written; one that waits does not), so bench_cublas_chain's race test can
 tell a waiting kernel from one that does not."""
@@ -19,9 +19,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import bench_cublas_chain
-    import graph_edges
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from benchmarks.kernels import bench_cublas_chain, graph_edges
 
     return graph_edges, bench_cublas_chain
 

@@ -1,4 +1,4 @@
-"""The engine-step profiler (benchmarks/profile_step.py) and the throughput benchmark run on CPU."""
+"""The engine-step profiler (benchmarks/engine/profile_step.py) and the throughput benchmark run on CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from script_env import ENV, ROOT
 @pytest.mark.parametrize("spec", [0, 2], ids=["plain", "spec"])
 def test_profile_step_smoke(tmp_path, spec):
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
+    cmd = [sys.executable, "benchmarks/engine/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
            "--steps", "3", "--warmup", "3", "--spec", str(spec), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -54,7 +54,7 @@ def test_profile_step_host_profile(tmp_path):
     """--host-profile: the host functions with the most own time, per step, the step's own
     functions among them."""
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--steps", "3",
+    cmd = [sys.executable, "benchmarks/engine/profile_step.py", "--small", "--device", "cpu", "--steps", "3",
            "--warmup", "2", "--spec", "2", "--host-profile", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -71,11 +71,11 @@ def test_profile_step_host_profile(tmp_path):
 def test_device_marks_are_removed_after_their_run():
     """_mark's undo puts the original method back, so the marks' own host time (CUDA events) stays
     out of the host profile and the device profile that run after them."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT))
     try:
-        import profile_step
+        from benchmarks.engine import profile_step
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT))
 
     class Runner:
         def execute_model(self) -> str:
@@ -92,11 +92,11 @@ def test_device_marks_are_removed_after_their_run():
 def test_kernel_gaps_counts_idle_device_time_only():
     """kernel_gaps: idle time between kernels by transition, per step; overlapping kernels (PDL) and a
     kernel inside a longer one leave no gap."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT))
     try:
-        import profile_step
+        from benchmarks.engine import profile_step
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT))
 
     class Span:
         def __init__(self, start: float, end: float) -> None:
@@ -138,7 +138,7 @@ def test_gpu_profile_step_device_phases(tmp_path):
     """--device-phases: device ms between the step's marks; the draft's forwards, the verify and
     the gaps between them add up to the step (the marks tile it)."""
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--steps", "5", "--warmup", "3",
+    cmd = [sys.executable, "benchmarks/engine/profile_step.py", "--small", "--steps", "5", "--warmup", "3",
            "--spec", "3", "--device-phases", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -158,7 +158,7 @@ def test_profile_step_switch(tmp_path):
     """--switch: cycles of plain steps and one drafting step; the switch step catches the draft up
     over every row's plain-step tokens."""
     out = tmp_path / "switch.json"
-    cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
+    cmd = [sys.executable, "benchmarks/engine/profile_step.py", "--small", "--device", "cpu", "--batch", "2",
            "--steps", "3", "--warmup", "1", "--spec", "2", "--switch", "5", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -174,15 +174,14 @@ def test_profile_step_switch(tmp_path):
 def test_bench_throughput_times_decode_from_the_first_token(tmp_path):
     """time_thinkspec's seconds: from the batch's first token to its last, as the requests' own
     timestamps say (the prefill left out without a second, 1-token run)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT))
     try:
-        import bench_spec_round
-        import bench_throughput
+        from benchmarks import common
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT))
     from thinkspec import LLM
 
-    folder = bench_spec_round.write_config(tmp_path / "t", bench_spec_round.SMALL_TARGET, 1024)
+    folder = common.write_config(tmp_path / "t", common.SMALL_TARGET, 1024)
     llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy", skip_tokenizer_init=True,
               max_num_seqs=2, max_num_batched_tokens=64)  # fmt: skip
     spans = []
@@ -195,16 +194,16 @@ def test_bench_throughput_times_decode_from_the_first_token(tmp_path):
         return outs
 
     llm.generate = spy
-    seconds, al, steps = bench_throughput.time_thinkspec(llm, [[5, 6, 7], [8, 9]], 6, warm_up=False)
+    seconds, al, steps = common.time_thinkspec(llm, [[5, 6, 7], [8, 9]], 6, warm_up=False)
     assert len(spans) == 1 and seconds == spans[0] > 0 and al is None
     assert steps["count"] >= 6  # the prefill step and five decode steps, at least
 
 
 def test_bench_throughput_smoke(tmp_path):
-    # benchmarks/bench_throughput.py on CPU at tiny shapes: plain, sync and one speculative row,
+    # benchmarks/engine/bench_throughput.py on CPU at tiny shapes: plain, sync and one speculative row,
     # each with its engine-step summary over the timed run
     out = tmp_path / "throughput.json"
-    cmd = [sys.executable, "benchmarks/bench_throughput.py", "--small", "--device", "cpu", "--skip-hf",
+    cmd = [sys.executable, "benchmarks/engine/bench_throughput.py", "--small", "--device", "cpu", "--skip-hf",
            "--batch-sizes", "1,2", "--output-len", "12", "--acceptance-lengths", "3",
            "--repeats", "2", "--compare", "cublas,noearly,noprefetch", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -232,7 +231,7 @@ def test_bench_throughput_smoke(tmp_path):
     assert all(r["acceptance_length"] >= 1 for r in rows if r["engine"].startswith("thinkspec_spec"))
 
     png = tmp_path / "throughput.png"
-    cmd = [sys.executable, "benchmarks/plot_throughput.py", str(out), "--out", str(png)]
+    cmd = [sys.executable, "benchmarks/engine/plot_throughput.py", str(out), "--out", str(png)]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -77,8 +77,8 @@ def test_script_reads_spec_round_json(tmp_path):
     assert (c.batch, c.k, c.plain_ms, c.round_ms) == (16, 2, 5.0, 9.0)
     out = tmp_path / "p.json"
     run = subprocess.run(
-        [sys.executable, "benchmarks/project_speed.py", "--sweep", str(sweep), "--costs", str(costs),
-         "--out", str(out)],
+        [sys.executable, "benchmarks/speculative/project_speed.py", "--sweep", str(sweep),
+         "--costs", str(costs), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -1,4 +1,5 @@
-"""benchmarks/simulate_adaptive.py: the chooser replayed on step times from a bench_adaptive JSON (CPU)."""
+"""benchmarks/speculative/simulate_adaptive.py: the chooser replayed on step times from a bench_adaptive JSON
+(CPU)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,18 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-import simulate_adaptive as sim  # noqa: E402
+from benchmarks.speculative import simulate_adaptive as sim  # noqa: E402
 
 K = 3
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """benchmarks/simulate_adaptive.py run with args from the repository root (exit 0 asserted when
-    check)."""
+    """benchmarks/speculative/simulate_adaptive.py run with args from the repository root (exit 0 asserted
+    when check)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "benchmarks/simulate_adaptive.py", *args]
+    cmd = [sys.executable, "benchmarks/speculative/simulate_adaptive.py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-2000:]

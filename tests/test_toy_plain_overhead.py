@@ -1,4 +1,4 @@
-"""benchmarks/toy_plain_overhead.py runs on CPU: its engines differ as its docstring says."""
+"""benchmarks/toy/toy_plain_overhead.py runs on CPU: its engines differ as its docstring says."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from thinkspec import SamplingParams
 
 
 def _run(*extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "benchmarks/toy_plain_overhead.py", "--device", "cpu", "--max-tokens", "6",
+    cmd = [sys.executable, "benchmarks/toy/toy_plain_overhead.py", "--device", "cpu", "--max-tokens", "6",
            "--repeats", "2", "--warmups", "1", *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
@@ -48,7 +48,7 @@ def test_toy_plain_overhead_checks_its_modes():
 
 def _build(mode: str, engine_args: str = "{}"):
     """The benchmark's engine of one mode, on CPU (the script imported as a module)."""
-    path = ROOT / "benchmarks" / "toy_plain_overhead.py"
+    path = ROOT / "benchmarks" / "toy" / "toy_plain_overhead.py"
     spec = importlib.util.spec_from_file_location("toy_plain_overhead", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_spec_round import QWEN3_0_6B, QWEN3_8B, write_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, write_config
 from thinkspec import LLM, SamplingParams
 
 

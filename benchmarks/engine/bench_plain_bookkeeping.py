@@ -25,14 +25,17 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from toy_plain_overhead import toy_adaptive_config
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import toy_adaptive_config
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine.sequence import Sequence
 from thinkspec.toy.assets import resolve_model_path

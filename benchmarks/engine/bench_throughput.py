@@ -20,34 +20,29 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
-from thinkspec import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import (
+    QWEN3_0_6B,
+    QWEN3_8B,
+    SMALL_DRAFT,
+    SMALL_TARGET,
+    rate_for_acceptance_length,
+    sync,
+    time_thinkspec,
+    write_config,
+)
+from thinkspec import LLM
 from thinkspec.layers import gemv_triton, pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear, MergedLinear
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def rate_for_acceptance_length(length: float, k: int) -> float:
-    """Per-draft acceptance probability r with sum_{i=0..k} r^i = length (bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(mid**i for i in range(k + 1)) < length:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
@@ -83,54 +78,6 @@ def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device:
     else:
         run(2)
     return run(output_len) - run(1)
-
-
-def time_thinkspec(
-    llm: LLM, prompts: list[list[int]], output_len: int, warm_up: bool = True
-) -> tuple[float, float | None, dict]:
-    """(decode seconds for output_len tokens: from the batch's first token to its last, mean acceptance
-    length or None, step-time summary). Every prompt is prefilled in one forward (main sizes
-    max_num_batched_tokens for it), so the first tokens come together.
-
-    The summary is over the engine steps of the timed full-length run (wall time of each
-    LLMEngine.step call, ms): median, max, and the steps over twice the median with their excess.
-    warm_up=False: the engine already ran these prompts at this length (a repetition).
-    """
-    engine = llm.llm_engine
-    step_ms: list[float] = []
-
-    def timed_step(*args, _step=engine.step, **kwargs):
-        t0 = time.perf_counter()
-        out = _step(*args, **kwargs)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    def run(n: int) -> float:
-        """Seconds from the batch's first token to its last (the requests' own timestamps): the
-        prefill, eager and host-bound, is left out without subtracting a second, 1-token run."""
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return max(o.metrics.finished_time for o in outs) - min(o.metrics.first_token_time for o in outs)
-
-    # Warm-up, twice at full length: the first run captures the CUDA graphs; the repeated prompts
-    # then hit the prefix cache, whose shorter prefill compiles its own kernel variants in the
-    # second run, not in a timed one.
-    if warm_up:
-        run(output_len)
-        run(output_len)
-    engine.step = timed_step
-    try:
-        full = run(output_len)
-    finally:
-        del engine.step  # back to the class's method
-    m = llm.last_spec_metrics  # of the full run
-    med = statistics.median(step_ms)
-    slow = [t for t in step_ms if t > 2 * med]
-    steps = {
-        "count": len(step_ms), "median_ms": med, "max_ms": max(step_ms),
-        "slow_steps": len(slow), "slow_excess_ms": sum(slow) - med * len(slow),
-    }  # fmt: skip
-    return full, (m.mean_acceptance_length() if m is not None else None), steps
 
 
 def main() -> None:

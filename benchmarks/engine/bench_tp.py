@@ -34,37 +34,32 @@ import faulthandler
 import json
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_spec_round import QWEN3_8B, write_config
-from bench_throughput import rate_for_acceptance_length, time_thinkspec
-from validate_projection import decode_seconds
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import (
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA3_405B,
+    LLAMA_VOCAB,
+    QWEN3_8B,
+    QWEN_VOCAB,
+    SMALL_LLAMA,
+    decode_seconds,
+    rate_for_acceptance_length,
+    time_thinkspec,
+    write_config,
+)
 from thinkspec import LLM
 
-LLAMA = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=500000.0, max_position_embeddings=8192,
-    head_dim=128, tie_word_embeddings=False, eos_token_id=128001,
-)  # fmt: skip
-TARGETS = {
-    "llama3-70b": dict(LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8),
-    "llama3-405b": dict(LLAMA, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                        num_attention_heads=128, num_key_value_heads=8),
-}  # fmt: skip
-LLAMA3_8B = dict(
-    LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8,
-)  # fmt: skip
-SMALL = dict(
-    LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32,
-)  # fmt: skip
-LLAMA_VOCAB, QWEN_VOCAB = 128256, 151936
+TARGETS = {"llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B}
 K = 4
 
 
@@ -390,10 +385,11 @@ def main() -> None:
         save()
     with tempfile.TemporaryDirectory() as tmp:
         vocab = 1024 if args.small else LLAMA_VOCAB
-        target = write_config(Path(tmp) / "target", SMALL if args.small else TARGETS[args.target], vocab)
-        draft = write_config(Path(tmp) / "draft", SMALL if args.small else LLAMA3_8B, vocab)
+        shape = SMALL_LLAMA if args.small else TARGETS[args.target]
+        target = write_config(Path(tmp) / "target", shape, vocab)
+        draft = write_config(Path(tmp) / "draft", SMALL_LLAMA if args.small else LLAMA3_8B, vocab)
         qwen = write_config(
-            Path(tmp) / "qwen3", SMALL if args.small else QWEN3_8B, vocab if args.small else QWEN_VOCAB
+            Path(tmp) / "qwen3", SMALL_LLAMA if args.small else QWEN3_8B, vocab if args.small else QWEN_VOCAB
         )
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, min(vocab, 32000), (64, args.prompt_len), generator=gen).tolist()

@@ -20,7 +20,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from graph_edges import FULL, PROGRAMMATIC
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.kernels.graph_edges import FULL, PROGRAMMATIC
 
 Named = tuple[int, int, str, tuple[int, int, int]]  # (from node, to node, to node's name, edge kind)
 
@@ -46,9 +48,8 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("graph_census needs a CUDA device (the graphs are the engine's CUDA graphs)")
-    import bench_spec_round
-    from graph_edges import edges, node_name
-
+    from benchmarks.kernels.graph_edges import edges, node_name
+    from benchmarks.speculative import bench_spec_round
     from thinkspec.engine import cuda_graph
 
     class KeptGraph(torch.cuda.CUDAGraph):  # the engine's torch.cuda.CUDAGraph(), kept for reading

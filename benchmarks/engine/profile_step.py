@@ -43,6 +43,7 @@ import json
 import pstats
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -51,8 +52,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine import speculator as speculator_module
 from thinkspec.spec_decode.draft_length import GROUPS, ForcedDraftLength

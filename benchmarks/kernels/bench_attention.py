@@ -22,11 +22,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
-from bench_gemv import graph_us
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import graph_us
 from thinkspec.layers.attention_triton import TritonAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
 

@@ -26,15 +26,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from bench_gemv import capture_graph, replay_us
-from graph_edges import edges, make_programmatic, node_name
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import capture_graph, replay_us
+from benchmarks.kernels.graph_edges import edges, make_programmatic, node_name
 
 # (name, N, K) of the products of one Qwen3-8B layer, in forward order
 LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]

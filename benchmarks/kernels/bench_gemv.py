@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import graph_us
 from thinkspec.layers.fused_triton import silu_and_mul
 from thinkspec.layers.gemv_triton import gemv, gemv_config
 
@@ -36,43 +40,6 @@ SHAPES = [
 # epilogue (N weight rows, N / 2 outputs); the Llama-3 ones (70B: one rank's half at TP = 2, 8 of its
 # 80 layers, 3.8 GB, enough to miss L2) as well: weights past GEMV_MAX_WEIGHT, which the engine keeps on
 # cuBLAS then silu_and_mul (docs/BENCHMARKS.md, thirty-sixth session)
-
-
-def capture_graph(fn, keep: bool = False) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of fn(), run once on a side stream first (lazy set-up, cuBLAS workspaces) and
-    replayed once after capture; with keep, kept for editing instead (torch's keep_graph=True: its
-    raw_cuda_graph() may change until instantiate() or the first replay; graph_edges.py)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph(keep_graph=keep)
-    with torch.cuda.graph(g):
-        fn()
-    if not keep:
-        g.replay()
-    return g
-
-
-def replay_us(g: torch.cuda.CUDAGraph, reps: int = 20, batches: int = 5) -> list[float]:
-    """Microseconds of one replay of g, from each of `batches` runs of `reps` replays, sorted."""
-    times = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Median microseconds of one replay of a CUDA graph of fn()."""
-    times = replay_us(capture_graph(fn), reps)
-    return times[len(times) // 2]
 
 
 def main() -> None:

@@ -36,8 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from bench_gemv import graph_us
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import graph_us
 from thinkspec.layers import gemm_skinny_triton
 from thinkspec.layers.gemm_skinny_triton import ROW_BUCKETS, Config, skinny_gemm
 

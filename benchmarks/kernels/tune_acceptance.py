@@ -20,9 +20,20 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_acceptance import DTYPES, back_to_back_us, bench_us, copy_bandwidth, graphed, read_max
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.kernels.bench_acceptance import (
+    DTYPES,
+    back_to_back_us,
+    bench_us,
+    copy_bandwidth,
+    graphed,
+    read_max,
+)
 
 
 def main() -> None:

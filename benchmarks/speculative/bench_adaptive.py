@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -78,8 +79,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts, run_cell
 from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset

@@ -39,12 +39,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
 CELLS = ("serial", "overlapped", "verify", "drafts")
 
 
 def thinking_rate() -> float:
     """bench_adaptive's thinking profile as one conditional rate c (AL 4.6 over K = 8 drafts)."""
-    from bench_adaptive import PROFILES, constant_rate_shares
+    from benchmarks.speculative.bench_adaptive import PROFILES, constant_rate_shares
 
     return constant_rate_shares(PROFILES["good"][0], 8)[0]
 
@@ -169,8 +171,7 @@ def main() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
-    from bench_spec_round import QWEN3_0_6B, QWEN3_8B, write_config
-
+    from benchmarks.common import QWEN3_0_6B, QWEN3_8B, write_config
     from thinkspec.engine.model_runner import use_triton_kernels
     from thinkspec.models.loader import load_model
 

@@ -35,12 +35,16 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, sync, write_config
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
@@ -51,24 +55,6 @@ from thinkspec.engine.speculator import Speculator
 from thinkspec.models.loader import load_model
 from thinkspec.sampling.sampler import Sampler
 from thinkspec.sampling_params import SamplingParams
-
-QWEN3_8B = dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-)  # fmt: skip
-QWEN3_0_6B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-)  # fmt: skip
-SMALL_TARGET = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-)  # fmt: skip
-SMALL_DRAFT = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-)  # fmt: skip
-
 
 HBM_BYTES_PER_S = 4.21e12  # measured device copy bandwidth (docs/BENCHMARKS.md anchors)
 BF16_FLOPS = 790e12  # dense bf16 tensor-core rate a tuned GEMM reaches on the H200
@@ -110,29 +96,6 @@ def kernel_breakdown(fn) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
     return {"device_us": sum(per_kernel.values()), "groups_us": groups,
             "top_kernels_us": [{"name": n[:120], "us": us} for n, us in top]}  # fmt: skip
-
-
-def write_config(folder: Path, shape: dict, vocab_size: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "attention_bias": False,
-        "torch_dtype": "bfloat16",
-        "eos_token_id": 151645,
-        **shape,
-    }
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device, reps: int) -> float:

@@ -24,15 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
-import time
 from argparse import Namespace
 from pathlib import Path
 
 import torch
-from bench_spec_round import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, run_batch, write_config
 
-from thinkspec import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, decode_seconds, write_config
+from benchmarks.speculative.bench_spec_round import run_batch
+from thinkspec import LLM
 from thinkspec.bench.projection import (
     AcceptanceProfile,
     StepCosts,
@@ -78,18 +81,6 @@ def synthetic_profile(p: AcceptanceProfile, output_len: int) -> dict:
         "answer": shares(p.answer_rates),
         "thinking_tokens": round(p.thinking_share * output_len),
     }
-
-
-def decode_seconds(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
-    """Seconds of output_len tokens minus a 1-token run (the prefill and the first token)."""
-
-    def run(n: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    return run(output_len) - run(1)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import toy_adaptive_config
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts
 from thinkspec.bench.datasets import load_dataset
@@ -59,16 +63,6 @@ MODES = (
     "adaptive-plain-only",
     "adaptive-no-speculator",
 )
-
-
-def toy_adaptive_config(k_max: int) -> dict[str, Any]:
-    """speculative_config of the toy pair's adaptive engine: the bundled draft, adaptive_k up to k_max,
-    relaxed thinking (ratio 0.3, top-k 8) as bench_adaptive --toy runs it."""
-    return {
-        "model": str(resolve_model_path("toy-reasoner-draft")), "num_speculative_tokens": k_max,
-        "adaptive_k": True, "reasoning_parser": "qwen3", "relaxed_thinking": True, "relax_ratio": 0.3,
-        "relax_top_k": 8,
-    }  # fmt: skip
 
 
 def build(mode: str, args) -> LLM:
