@@ -4,6 +4,7 @@ server packages, `generate`, `serve` refusals."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,6 @@ import pytest
 from checkpoints import tiny_checkpoint
 
 from thinkspec.entrypoints.cli import build_parser, main
-from thinkspec.toy.assets import TOY_MODELS, resolve_model_path
 
 SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "prometheus_client")
 
@@ -107,17 +107,6 @@ def test_serve_rejects_bad_server_flags_before_loading(capsys, flags, message):
 def test_serve_reports_a_missing_model(capsys):
     assert main(["serve", "/nonexistent/model", "--device", "cpu"]) == 2
     assert "thinkspec serve: error:" in capsys.readouterr().err
-
-
-def test_resolve_model_path():
-    assert resolve_model_path("/some/folder") == "/some/folder"
-    assert resolve_model_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
-    for name, path in TOY_MODELS.items():
-        if (path / "config.json").is_file():
-            assert resolve_model_path(name) == str(path)
-        else:
-            with pytest.raises(ValueError, match=name):
-                resolve_model_path(name)
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +243,56 @@ def test_sweep_rejects_bad_flags_before_loading(capsys, tmp_path, flags, message
     err = capsys.readouterr().err
     assert "thinkspec sweep: error:" in err and message in err
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def usage_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+def test_misspelled_flag_or_command_gets_a_suggestion(capsys):
+    err = usage_error(capsys, "generate", "--prompt", "hi", "--max-tokns", "5")
+    assert err.startswith("usage: thinkspec generate ")  # the subcommand's usage, not the top level's
+    assert "unrecognized arguments: --max-tokns" in err and "did you mean --max-tokens" in err
+    err = usage_error(capsys, "sweep", "--output-dri=x")
+    assert "did you mean --output-dir" in err
+    assert "did you mean 'generate'" in usage_error(capsys, "genrate")
+    assert "did you mean" not in usage_error(capsys, "demo", "--zzzzzz")
+
+
+def test_bad_json_error_is_short(capsys):
+    err = usage_error(capsys, "generate", "--speculative-config", '{"model": x}')
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert lines[0] == "usage: thinkspec generate [MODEL] [options]"
+    assert lines[1].startswith("thinkspec generate: error: argument --speculative-config: not valid JSON")
+
+
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        ("generate", ["--top-p", "--top-k", "--max-tokens", "--temperature"]),
+        ("sweep", ["--output-dir", "--dataset-seed", "--sampling-seed", "--num-prompts"]),
+        ("demo", ["--num-speculative-tokens", "--relax-ratio", "--relax-top-k", "--device", "--seed"]),
+    ],
+)
+def test_help_shows_defaults(capsys, command, flags):
+    text = help_text(capsys, command)
+    entries = re.split(r"\n  (?=-)", text)  # one entry per flag, its help lines joined
+    for flag in flags:
+        entry = next(e for e in entries if e.startswith(flag + " "))
+        assert re.search(r"\(default:\s+\S", entry), entry
+
+
+def test_help_lists_own_flags_before_engine_flags(capsys):
+    for command, own in (("generate", "--prompt "), ("serve", "--port "), ("bench", "--output-json "),
+                         ("sweep", "--relax-ratios ")):  # fmt: skip
+        text = help_text(capsys, command)
+        assert text.index(own) < text.index("\nengine arguments:") < text.index("--speculative-config ")
+        assert text.startswith(f"usage: thinkspec {command} [MODEL] [options]\n")
+    bench = help_text(capsys, "bench")
+    assert "95% confidence" in bench and "%%" not in bench

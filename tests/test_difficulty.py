@@ -1,4 +1,4 @@
-"""thinkspec.toy.difficulty: the hard-level pick, per-level scores, the deadline, and a CPU run."""
+"""thinkspec.bench.difficulty: the hard-level pick, per-level scores, the deadline, and a CPU run."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from thinkspec.bench import difficulty
 from thinkspec.bench.datasets import toy_dataset
-from thinkspec.toy import difficulty
-from thinkspec.toy.assets import resolve_model_path
-from thinkspec.toy.difficulty import (
+from thinkspec.bench.difficulty import (
     format_grid,
     generate_until,
     level_literal,
@@ -18,6 +17,7 @@ from thinkspec.toy.difficulty import (
     score_level,
     thinking_tokens,
 )
+from thinkspec.model_names import resolve_model_name
 from thinkspec.toy.task import EASY, HARD, HARD_CANDIDATES, Level, generate_samples
 
 
@@ -75,7 +75,7 @@ def test_score_level_counts_finished_outputs_only():
 def toy_llm():
     from thinkspec.llm import LLM
 
-    return LLM(resolve_model_path("toy-reasoner"), device="cpu")
+    return LLM(resolve_model_name("toy-reasoner"), device="cpu")
 
 
 def test_generate_until_aborts_what_runs_at_the_deadline(toy_llm, monkeypatch):
@@ -107,7 +107,7 @@ def test_generate_until_aborts_what_runs_at_the_deadline(toy_llm, monkeypatch):
 def test_grid_stage_writes_every_level(tmp_path, capsys):
     out = tmp_path / "d.json"
     out.write_text(json.dumps({"kept": 1}))  # the stages add to an existing file
-    argv = ["--target", resolve_model_path("toy-reasoner"), "--stage", "grid", "--json", str(out),
+    argv = ["--target", resolve_model_name("toy-reasoner"), "--stage", "grid", "--json", str(out),
             "--n-easy", "2", "--n-hard", "1", "--device", "cpu", "--max-new-tokens-cap", "6"]  # fmt: skip
     assert difficulty.main(argv) == 0
     data = json.loads(out.read_text())

@@ -11,7 +11,7 @@ from thinkspec.bench.results import CellResult, SweepResult, pareto_frontier
 from thinkspec.bench.sweep import RelaxSetting, calibrate, make_grid
 from thinkspec.config import SpeculativeConfig
 from thinkspec.entrypoints.cli import main
-from thinkspec.toy.assets import TOY_MODELS, resolve_model_path, toy_name
+from thinkspec.model_names import TOY_MODELS, resolve_model_name, toy_name
 
 
 def test_grid_is_the_full_product_and_validates():
@@ -157,7 +157,7 @@ def test_rows_mark_the_frontier_and_round_trip():
 def test_toy_name_names_the_bundled_folders_only(tmp_path):
     assert toy_name(str(TOY_MODELS["toy-reasoner"])) == "toy-reasoner"
     assert toy_name(str(TOY_MODELS["toy-reasoner-draft"]) + "/") == "toy-reasoner-draft"
-    assert resolve_model_path(toy_name(str(TOY_MODELS["toy-reasoner-draft"]))) == str(
+    assert resolve_model_name(toy_name(str(TOY_MODELS["toy-reasoner-draft"]))) == str(
         TOY_MODELS["toy-reasoner-draft"]
     )
     assert toy_name(str(tmp_path)) == str(tmp_path)
@@ -286,13 +286,12 @@ def test_batch_curves_group_cells_by_requests_in_flight():
     """Each cap on requests in flight is its own set of cells, compared within the set."""
     from thinkspec.bench.datasets import load_dataset
     from thinkspec.bench.sweep import RelaxSetting, run_sweep
-    from thinkspec.toy.assets import resolve_model_path
 
     items = load_dataset("toy", 3, 0)
-    draft = resolve_model_path("toy-reasoner-draft")
+    draft = resolve_model_name("toy-reasoner-draft")
     spec = {"model": draft, "num_speculative_tokens": 4, "reasoning_parser": "qwen3"}
     result = run_sweep(
-        {"model": resolve_model_path("toy-reasoner"), "device": "cpu"}, spec, items, [RelaxSetting(0.3, 8)],
+        {"model": resolve_model_name("toy-reasoner"), "device": "cpu"}, spec, items, [RelaxSetting(0.3, 8)],
         max_tokens=12, repeats=1, batch_sizes=[1, None], use_tqdm=False,
     )  # fmt: skip
     rows = {r["name"]: r for r in result.rows()}

@@ -1,7 +1,8 @@
 """EngineArgs: every engine option in one dataclass, with its help text; the CLI flags derive from it.
 
-A leaf module: the stdlib at import time (so `thinkspec --help` stays cheap); torch, the reasoning
-parsers and SpeculativeConfig are imported when an EngineArgs is validated.
+A leaf module: the stdlib and `thinkspec.model_names` at import time (so `thinkspec --help` stays
+cheap); torch, the reasoning parsers and SpeculativeConfig are imported when an EngineArgs is
+validated.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
+from thinkspec.model_names import DEFAULT_TOY
 
 if TYPE_CHECKING:
     import torch
@@ -331,7 +332,7 @@ def _parse_speculative_config(value: Any, reasoning_parser: str | None) -> Specu
 _ARG_TYPES: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float}
 
 
-def _add_field_flag(p: argparse.ArgumentParser, f: Field[Any]) -> None:
+def _add_field_flag(p: argparse._ActionsContainer, f: Field[Any]) -> None:
     """--NAME for one EngineArgs field. Every flag defaults to None, meaning "not given", so
     engine_kwargs leaves the field at its EngineArgs default. Booleans get --NAME / --no-NAME."""
     help_text = f.metadata["help"]
@@ -360,14 +361,16 @@ def _add_field_flag(p: argparse.ArgumentParser, f: Field[Any]) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
-    """One flag per EngineArgs field, named as in vLLM; MODEL is positional, the toy pair by default."""
+    """One flag per EngineArgs field, named as in vLLM; MODEL is positional, the toy pair by default.
+    The flags form p's "engine arguments" group, which help lists after p's own options."""
+    group = p.add_argument_group("engine arguments")
     for f in fields(EngineArgs):
         if f.name != "model":
-            _add_field_flag(p, f)
+            _add_field_flag(group, f)
         elif model_positional:
             help_text = f"{f.metadata['help']}; '{DEFAULT_TOY}' = the bundled toy pair's target"
             p.add_argument("model", nargs="?", default=None, help=f"{help_text} (default: {DEFAULT_TOY})")
-            p.add_argument("--model", dest="model_flag", default=None, help="MODEL, given as a flag")
+            group.add_argument("--model", dest="model_flag", default=None, help="MODEL, given as a flag")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -380,12 +383,8 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) / EngineArgs(...) keyword arguments from parsed engine flags; flags not given keep
-    the EngineArgs defaults. Toy names ("toy-reasoner", "toy-reasoner-draft") become their folders."""
+    the EngineArgs defaults. Bundled names ("toy-reasoner", ...) stay names: the engine's builder
+    resolves them (thinkspec.model_names.resolve_model_name), as it does for LLM(...)."""
     resolve_model_arg(args)
     given = (f.name for f in fields(EngineArgs) if getattr(args, f.name, None) is not None)
-    kwargs = {name: getattr(args, name) for name in given}
-    kwargs["model"] = resolve_model_path(args.model)
-    spec = kwargs.get("speculative_config")
-    if isinstance(spec, dict) and isinstance(spec.get("model"), str):
-        spec["model"] = resolve_model_path(spec["model"])
-    return kwargs
+    return {name: getattr(args, name) for name in given}

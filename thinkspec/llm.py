@@ -11,6 +11,7 @@ from typing import Any
 
 from thinkspec.engine.engine import LLMEngine, PromptType
 from thinkspec.engine_args import EngineArgs
+from thinkspec.model_names import resolve_model_name
 from thinkspec.outputs import RequestOutput
 from thinkspec.sampling_params import SamplingParams
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
@@ -45,11 +46,7 @@ class LLM:
         if kwargs.get("tokenizer") is not None:
             kwargs["tokenizer"] = str(kwargs["tokenizer"])
         args = EngineArgs(model=str(model), **kwargs)
-        chat_template = load_chat_template(args.chat_template)
-        _fetch_hub_revisions(args)
-        self.llm_engine = LLMEngine(args)
-        if chat_template is not None:
-            self.llm_engine.tokenizer.chat_template = chat_template
+        self.llm_engine = build_llm_engine(args)
         self.engine_args = args
         self.last_spec_metrics: SpecDecodeMetrics | None = None
 
@@ -186,6 +183,30 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+def build_llm_engine(args: EngineArgs) -> LLMEngine:
+    """The engine for validated EngineArgs, as LLM(...) and `thinkspec serve` build it: bundled model
+    names become their folders (args is updated in place to what the engine loads), a hub revision or
+    download_dir is fetched first, and chat_template replaces the tokenizer's template."""
+    chat_template = load_chat_template(args.chat_template)
+    resolve_model_names(args)
+    _fetch_hub_revisions(args)
+    engine = LLMEngine(args)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
+    return engine
+
+
+def resolve_model_names(args: EngineArgs) -> None:
+    """The model, tokenizer and draft model given by a bundled name become its folder; ValueError
+    naming the argument (e.g. speculative_config.model) for a mistyped name."""
+    args.model = resolve_model_name(args.model)
+    if args.tokenizer is not None:
+        args.tokenizer = resolve_model_name(args.tokenizer, "tokenizer")
+    spec = args.speculative_config
+    if spec is not None and spec.model is not None:
+        spec.model = resolve_model_name(spec.model, "speculative_config.model")
 
 
 def load_chat_template(value: str | None) -> str | None:

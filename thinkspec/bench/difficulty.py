@@ -14,8 +14,8 @@ Requests still running when the time budget ends are aborted; their level is mar
 never suggested. The JSON is rewritten after every stage and cell, so a cut-short run keeps what it
 measured.
 
-    python -m thinkspec.toy.difficulty --target DIR --stage grid --json difficulty.json
-    python -m thinkspec.toy.difficulty --target DIR --draft DIR --stage drafts --json difficulty.json
+    python -m thinkspec.bench.difficulty --target DIR --stage grid --json difficulty.json
+    python -m thinkspec.bench.difficulty --target DIR --draft DIR --stage drafts --json difficulty.json
 """
 
 from __future__ import annotations

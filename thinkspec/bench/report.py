@@ -141,7 +141,7 @@ def plot_pareto(result: SweepResult, path: str | Path) -> None:
 
 def _short_paths(spec: dict[str, Any]) -> dict[str, Any]:
     """The bundled toy checkpoints by their short names, so a report does not show install paths."""
-    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.model_names import TOY_MODELS
 
     names = {str(path): name for name, path in TOY_MODELS.items()}
     return {k: names.get(v, v) if isinstance(v, str) else v for k, v in spec.items()}

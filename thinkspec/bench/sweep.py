@@ -19,7 +19,7 @@ from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, Swee
 from thinkspec.bench.warmth import capture_graphs
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.llm import LLM
-from thinkspec.toy.assets import toy_name
+from thinkspec.model_names import toy_name
 
 
 @dataclass(slots=True, frozen=True)
@@ -430,7 +430,7 @@ def _sweep_inputs(
     ValueError for a bad flag, before any model loads."""
     from thinkspec.bench.datasets import default_max_tokens, load_dataset
     from thinkspec.engine_args import engine_kwargs
-    from thinkspec.toy.assets import DEFAULT_TOY, resolve_model_path
+    from thinkspec.model_names import DEFAULT_TOY, resolve_model_name
 
     settings = make_grid(
         _floats(args.relax_ratios, "--relax-ratios"),
@@ -445,11 +445,15 @@ def _sweep_inputs(
     if args.hf_baseline_prompts < 0:
         raise ValueError(f"--hf-baseline-prompts must be >= 0, got {args.hf_baseline_prompts}")
     kwargs = engine_kwargs(args)
+    # Folders, not bundled names: the Hugging Face baseline loads them without the engine.
+    kwargs["model"] = resolve_model_name(kwargs["model"])
     spec = kwargs.pop("speculative_config", None)
     if spec is None:
         if args.model != DEFAULT_TOY:
             raise ValueError("--speculative-config is required (the draft model and k to sweep with)")
-        spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
+        spec = {"model": "toy-reasoner-draft", "num_speculative_tokens": 4}
+    if isinstance(spec.get("model"), str):
+        spec["model"] = resolve_model_name(spec["model"], "speculative_config.model")
     spec.setdefault("reasoning_parser", kwargs.get("reasoning_parser") or "qwen3")
     if args.max_tokens is None:
         args.max_tokens = default_max_tokens(args.dataset, args.level)

@@ -1,43 +1,18 @@
-"""Where the bundled toy reasoner pair lives, and the short names that point at it."""
+"""The bundled toy reasoner pair: the demo's relaxed setting, and its names and folders.
+
+The names and folders live in `thinkspec.model_names` (the engine resolves them there); they are
+re-exported here for the demo and the benchmark scripts.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from thinkspec.model_names import ASSETS_DIR, DEFAULT_TOY, TOY_MODELS, toy_name
+from thinkspec.model_names import resolve_model_name as resolve_model_path
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-DEFAULT_TOY = "toy-reasoner"  # the CLI's model when none is given
-TOY_MODELS = {
-    "toy-reasoner": ASSETS_DIR / "toy-reasoner" / "target",
-    "toy-reasoner-draft": ASSETS_DIR / "toy-reasoner" / "draft",
-}
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Map "toy-reasoner" / "toy-reasoner-draft" to the bundled checkpoint folder; anything else unchanged.
-
-    Raises ValueError when a toy name is asked for but its folder is not installed.
-    """
-    path = TOY_MODELS.get(name_or_path)
-    if path is None:
-        return name_or_path
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {name_or_path!r}: the bundled checkpoint is missing (no config.json in {path})"
-        )
-    return str(path)
-
-
-def toy_name(path: str) -> str:
-    """The short name of a bundled toy checkpoint folder ("toy-reasoner", ...); any other path unchanged.
-
-    What reports record instead of the folder's absolute path, which differs from machine to machine
-    (the CLI resolves the name back with resolve_model_path)."""
-    try:
-        resolved = Path(path).resolve()
-    except (OSError, RuntimeError):
-        return path
-    return next((name for name, folder in TOY_MODELS.items() if folder == resolved), path)
-
+__all__ = [
+    "ASSETS_DIR", "DEFAULT_TOY", "DEMO_RELAX_RATIO", "DEMO_RELAX_TOP_K", "TOY_MODELS", "resolve_model_path",
+    "toy_name",
+]  # fmt: skip
 
 # The relaxed setting `thinkspec demo` shows: the one the toy quality gates were measured with
 # (docs/BENCHMARKS.md).

@@ -112,7 +112,7 @@ HARD_CANDIDATES = (
     _box((9, 10), 5, 1856),
 )
 # The candidate whose measured greedy accuracy of the bundled target is nearest 80%
-# (`python -m thinkspec.toy.difficulty`); it must stay one of HARD_CANDIDATES.
+# (`python -m thinkspec.bench.difficulty`); it must stay one of HARD_CANDIDATES.
 HARD = Level(min_operands=9, max_operands=10, max_operand=99999, max_value=999999, max_new_tokens=1856)
 LEVELS = {"easy": EASY, "hard": HARD}
 # Training data: (level, weight) pairs, one level drawn per sample. "range" covers easy, short

@@ -348,23 +348,24 @@ def run_server(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from thinkspec.entrypoints.generate import build_llm
+    from thinkspec.engine_args import EngineArgs, engine_kwargs
+    from thinkspec.llm import build_llm_engine
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_server_args(args)
-        llm = build_llm(args)
+        llm_engine = build_llm_engine(EngineArgs(**engine_kwargs(args)))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"thinkspec serve: error: {e}", file=sys.stderr)
         return 2
-    llm_engine = llm.llm_engine
     if args.max_tokens_limit is not None and args.max_tokens_limit > llm_engine.max_model_len:
         print(
             f"thinkspec serve: error: --max-tokens-limit {args.max_tokens_limit} exceeds max_model_len "
             f"{llm_engine.max_model_len}",
             file=sys.stderr,
         )
+        llm_engine.shutdown()
         return 2
     names = args.served_model_name or [args.model]
     config = ServingConfig(
