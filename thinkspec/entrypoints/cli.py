@@ -7,13 +7,79 @@ Subcommand bodies import their heavy modules lazily; `thinkspec --help` needs on
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from thinkspec.engine_args import add_engine_args, json_arg, resolve_model_arg
+from thinkspec.toy.assets import DEMO_RELAX_RATIO, DEMO_RELAX_TOP_K
 
 # What `thinkspec serve` imports beyond the core dependencies.
 SERVER_MODULES = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default unless its help already does or there is none worth showing
+    (None, False, empty): engine flags default to None and name their default in their help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS or default in ("", [])
+        if "default" in text or unset:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are short (one usage line, then the error) and whose unknown
+    flags are reported by the subcommand's parser with the closest known flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(parsed, "command", None)
+            parser = self._subparsers_by_name().get(command, self) if command else self
+            parser.error(unrecognized_message(parser, extra))
+        return parsed
+
+    def _subparsers_by_name(self) -> dict[str, argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    def error(self, message: str) -> NoReturn:
+        choice = re.match(r"argument .*: invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice is not None:  # a misspelled subcommand or choice
+            close = difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """'unrecognized arguments: ...', with "did you mean" for each unknown flag close to a known one."""
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    hints = []
+    for word in extra:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("-"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean {close[0]} (for {flag})?")
+    return "; ".join([f"unrecognized arguments: {' '.join(extra)}", *hints])
 
 
 def _add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +115,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     """`thinkspec demo`: the bundled pair, strict vs relaxed."""
     demo = sub.add_parser(
         "demo",
+        usage="%(prog)s [options]",
         help="answer fresh toy problems with strict and relaxed speculative decoding on the bundled pair",
         description="Loads the bundled toy reasoner pair, answers a few fresh arithmetic problems with "
         "strict and with relaxed speculative decoding, and prints accuracy, acceptance length and "
@@ -56,16 +123,23 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     demo.add_argument("--num-problems", type=int, default=16, help="problems per mode (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=1234, help="problem generator seed (default: %(default)s)")
-    demo.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    demo.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     demo.add_argument("--num-speculative-tokens", type=int, default=4, help="draft length k")
-    demo.add_argument("--relax-ratio", type=float, default=None, help="relaxed mode's relax_ratio")
-    demo.add_argument("--relax-top-k", type=int, default=None, help="relaxed mode's relax_top_k")
+    demo.add_argument(
+        "--relax-ratio", type=float, default=None,
+        help=f"relaxed mode's relax_ratio (default: {DEMO_RELAX_RATIO})",
+    )  # fmt: skip
+    demo.add_argument(
+        "--relax-top-k", type=int, default=None,
+        help=f"relaxed mode's relax_top_k (default: {DEMO_RELAX_TOP_K})",
+    )  # fmt: skip
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`thinkspec generate`: engine flags plus prompts and sampling settings."""
     gen = sub.add_parser(
         "generate",
+        usage="%(prog)s [MODEL] [options]",
         help="generate completions for prompts given on the command line or in a file",
         description="Runs prompts through the engine and prints reasoning and answer apart.",
     )
@@ -79,9 +153,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--chat-template-kwargs", type=json_arg, default=None, help="JSON passed to the chat template"
     )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--max-tokens", type=int, default=256, help="output token budget per prompt")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
 
 
@@ -89,6 +163,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """`thinkspec serve`: engine flags plus the HTTP server's."""
     serve = sub.add_parser(
         "serve",
+        usage="%(prog)s [MODEL] [options]",
         help="run the OpenAI-compatible HTTP server",
         description="Serves /v1/chat/completions, /v1/completions and /v1/models (behind --api-key when "
         "given), /health and /metrics, on FastAPI + uvicorn (pip install 'thinkspec[server]'). "
@@ -147,8 +222,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """`thinkspec bench`: engine and dataset flags for one setting."""
     bench = sub.add_parser(
         "bench",
+        usage="%(prog)s [MODEL] [options]",
         help="measure one configuration on a dataset: accuracy, acceptance, speed",
-        description="Runs a dataset through one engine configuration and reports accuracy with a 95%% "
+        description="Runs a dataset through one engine configuration and reports accuracy with a 95% "
         "confidence interval, mean output length, truncation rate, acceptance length (overall, "
         "thinking, answer), per-position acceptance, relaxed-only share, tokens/s and latency.",
     )
@@ -171,6 +247,7 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """`thinkspec sweep`: engine and dataset flags plus the grid, calibration and resume."""
     sweep = sub.add_parser(
         "sweep",
+        usage="%(prog)s [MODEL] [options]",
         help="grid over relax_ratio x relax_top_k with no-spec and strict baselines, report and calibration",
         description="Runs the same prompts and seeds under no speculation, strict speculation and every "
         "relaxed setting of the grid, compares each cell's accuracy with strict (paired bootstrap CI, "
@@ -187,7 +264,7 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "(e.g. 0.1:8:0.2)",
     )  # fmt: skip
     sweep.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
-    sweep.add_argument("--output-dir", default="sweep-out")
+    sweep.add_argument("--output-dir", default="sweep-out", help="where the results and report go")
     sweep.add_argument("--skip-no-spec", action="store_true", help="leave out the no-speculation baseline")
     _add_timing_args(sweep)
     sweep.add_argument(
@@ -225,7 +302,7 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="thinkspec",
         description="Speculative decoding for reasoning models with relaxed acceptance while thinking.",
     )
