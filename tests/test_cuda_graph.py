@@ -9,20 +9,15 @@ from checkpoints import tiny_checkpoint
 
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine.block_manager import BlockManager
-from thinkspec.engine.cuda_graph import (
-    GraphSpec,
-    InputLayout,
-    graph_batch_sizes,
-    pack_batch,
-    select_graph_key,
-)
+from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes, pack_batch, select_graph_key
 from thinkspec.engine.factory import resolve_attention_backend
 from thinkspec.engine.model_runner import ModelRunner, attention_layers
 from thinkspec.engine.sequence import Sequence
 from thinkspec.engine_args import EngineArgs, engine_kwargs
 from thinkspec.entrypoints.cli import build_parser
+from thinkspec.model_names import resolve_model_name
 from thinkspec.models import load_model
-from thinkspec.toy.assets import resolve_model_path
+from thinkspec.step_inputs import InputLayout
 
 gpu = pytest.mark.gpu
 
@@ -330,10 +325,10 @@ def _generate(path, prompts, params, *, enforce_eager, **kw):
 def test_gpu_generate_with_graphs_equals_enforce_eager(mode):
     """Greedy tokens with graphs equal the eager ones, with mixed prefill + decode steps (small token
     budget, prompts of different lengths) and preemption (a KV pool too small for every request)."""
-    target = resolve_model_path("toy-reasoner")
+    target = resolve_model_name("toy-reasoner")
     spec = {
         "plain": None,
-        "draft": {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4},
+        "draft": {"model": resolve_model_name("toy-reasoner-draft"), "num_speculative_tokens": 4},
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": 3,
@@ -391,10 +386,10 @@ def test_gpu_steady_state_step_syncs_at_most_once(mode):
     once: the copy of its results to the host. Counted with torch's sync debug mode."""
     import warnings
 
-    target = resolve_model_path("toy-reasoner")
+    target = resolve_model_name("toy-reasoner")
     spec = None
     if mode == "draft":
-        spec = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
+        spec = {"model": resolve_model_name("toy-reasoner-draft"), "num_speculative_tokens": 4}
     llm = LLM(target, device="cuda", dtype="bfloat16", max_num_seqs=8, speculative_config=spec,
               reasoning_parser="qwen3", gpu_memory_utilization=0.3)  # fmt: skip
     engine = llm.llm_engine

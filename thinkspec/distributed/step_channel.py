@@ -1,7 +1,7 @@
 """How rank 0 hands each model step to the other ranks: broadcasts on the default group.
 
 Rank 0 (the scheduler's process) packs a step on the host exactly as at TP=1 (cuda_graph.pack_batch:
-one int64 buffer). Per step it then broadcasts, from rank 0:
+one int64 buffer laid out as step_inputs.InputLayout). Per step it then broadcasts, from rank 0:
 
   header         int64 [HEADER_LEN]: a StepHeader (which runner, graph key or eager, the layout)
   packed inputs  int64 [layout.size]: the same buffer, into the receiver's graph input buffer or
@@ -20,7 +20,7 @@ from dataclasses import astuple, dataclass
 import torch
 import torch.distributed as dist
 
-from thinkspec.engine.cuda_graph import InputLayout
+from thinkspec.step_inputs import InputLayout
 
 HEADER_LEN = 12
 EXIT = -1  # StepHeader.runner that stops the workers

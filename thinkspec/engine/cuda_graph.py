@@ -42,8 +42,6 @@ later capture fits in memory the pool already holds; the KV-pool sizing measures
 
 from __future__ import annotations
 
-import functools
-import itertools
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -54,6 +52,7 @@ import torch
 from torch import nn
 
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context
+from thinkspec.step_inputs import InputLayout
 from thinkspec.utils import logger
 
 MAX_CAPTURE_BATCH = 512  # largest batch bucket (vLLM's max capture size)
@@ -95,54 +94,6 @@ def select_graph_key(
     if sum(num_logits) > bucket * q:
         return None
     return bucket, q
-
-
-@dataclass(frozen=True, slots=True)
-class InputLayout:
-    """Packed int64 step inputs, one section after another (one host buffer, one copy):
-
-    input_ids [num_tokens], positions [num_tokens], slot_mapping [num_tokens],
-    logits_indices [num_rows], query_start_loc [num_seqs + 1], seq_lens [num_seqs],
-    block_tables [num_seqs * width] (row-major). Eager steps use the batch's own sizes; a graph
-    step pads to its key: num_tokens = num_rows = B' * q, num_seqs = B'.
-    """
-
-    num_tokens: int
-    num_rows: int
-    num_seqs: int
-    width: int
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        t, r, b = self.num_tokens, self.num_rows, self.num_seqs
-        return (t, t, t, r, b + 1, b, b * self.width)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        # Several times per forward on the host's critical path: plain ints, cached per layout
-        # (np.cumsum over a tuple cost ~30 us a call).
-        return _offsets(self.num_tokens, self.num_rows, self.num_seqs, self.width)
-
-    @property
-    def size(self) -> int:
-        return self.offsets[-1]
-
-    @property
-    def fixed_size(self) -> int:
-        """Length of the sections before the block tables (fixed for a graph key)."""
-        return self.offsets[6]
-
-    def split(self, buf: Any) -> list[Any]:
-        """The seven sections of a 1-D buffer (numpy array or tensor) laid out this way, as views."""
-        o = self.offsets
-        return [buf[o[i] : o[i + 1]] for i in range(7)]
-
-
-@functools.lru_cache(maxsize=4096)
-def _offsets(num_tokens: int, num_rows: int, num_seqs: int, width: int) -> tuple[int, ...]:
-    """InputLayout.offsets: the start of each section and the end of the last (8 ints)."""
-    t, r, b = num_tokens, num_rows, num_seqs
-    return tuple(itertools.accumulate((t, t, t, r, b + 1, b, b * width), initial=0))
 
 
 def pack_batch(

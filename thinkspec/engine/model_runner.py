@@ -40,11 +40,12 @@ import torch
 from torch import nn
 
 from thinkspec.distributed.step_channel import StepChannel, StepHeader
-from thinkspec.engine.cuda_graph import CUDAGraphCache, GraphSpec, InputLayout, pack_batch
+from thinkspec.engine.cuda_graph import CUDAGraphCache, GraphSpec, pack_batch
 from thinkspec.engine.sequence import Sequence
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.forward_context import AttentionMetadata, forward_context
 from thinkspec.models.loader import ModelInfo
+from thinkspec.step_inputs import InputLayout
 from thinkspec.utils import logger
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
