@@ -7,8 +7,12 @@ import pytest
 import thinkspec
 from thinkspec.config import SpeculativeConfig, validate_relax_fields
 from thinkspec.reasoning import ReasoningParser
+from thinkspec.sampling_params import SamplingParams, resolve_relax
 
 DRAFT = {"method": "draft_model", "model": "draft-ckpt", "num_speculative_tokens": 4}
+
+
+RELAXED = {"relaxed_thinking": True, "reasoning_parser": "qwen3"}
 
 
 def make(**overrides):
@@ -24,13 +28,16 @@ def test_defaults_are_strict_and_disabled():
     assert not cfg.enabled
     assert cfg.method is None and cfg.num_speculative_tokens is None
     assert cfg.relaxed_thinking is False
-    assert cfg.relax_ratio == 1.0 and cfg.relax_top_k == 1 and cfg.relax_delta is None
+    assert cfg.relax_ratio is None and cfg.relax_top_k is None and cfg.relax_delta is None  # unset
     assert cfg.build_reasoning_parser() is None
 
     spec = make()
     assert spec.enabled and spec.relaxed_thinking is False
-    # relax_ratio=1 with top_k=1 admits only the argmax: the relaxed test adds nothing even if enabled.
-    assert (spec.relax_ratio, spec.relax_top_k, spec.relax_delta) == (1.0, 1, None)
+    assert (spec.relax_ratio, spec.relax_top_k, spec.relax_delta) == (None, None, None)
+    # Unset, relax_ratio=1 with top_k=1 admits only the argmax: the relaxed test adds nothing even if enabled.
+    on = make(relaxed_thinking=True, reasoning_parser="qwen3")
+    relax = resolve_relax(SamplingParams(), on)
+    assert (relax.enabled, relax.ratio, relax.top_k) == (True, 1.0, 1) and math.isnan(relax.delta)
 
 
 def test_model_implies_draft_model_method():
@@ -76,7 +83,6 @@ BAD = [
     ({"relax_ratio": math.inf}, "relax_ratio", "[0, 1]"),
     ({"relax_ratio": True}, "relax_ratio", "[0, 1]"),
     ({"relax_ratio": "0.5"}, "relax_ratio", "[0, 1]"),
-    ({"relax_ratio": None}, "relax_ratio", "[0, 1]"),
     ({"relax_top_k": 0}, "relax_top_k", "[1, 64]"),
     ({"relax_top_k": 65}, "relax_top_k", "[1, 64]"),
     ({"relax_top_k": True}, "relax_top_k", "[1, 64]"),
@@ -115,6 +121,23 @@ def test_error_message_shape():
         make(relax_delta=float("nan"))
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"relax_ratio": 0.3},
+        {"relax_top_k": 8},
+        {"relax_delta": 0.1},
+        {"relaxed_thinking": False, "relax_ratio": 0.3},
+    ],
+)
+def test_relax_settings_without_the_flag_are_refused(overrides):
+    # Without relaxed_thinking=True they would be ignored: strict speculation, no word said.
+    (name,) = (n for n in overrides if n.startswith("relax_"))
+    with pytest.raises(ValueError, match=rf"SpeculativeConfig\.{name} given without relaxed_thinking=True"):
+        make(reasoning_parser="qwen3", **overrides)
+    assert getattr(make(**{**overrides, **RELAXED}), name) == overrides[name]
+
+
 def test_method_specific_rules():
     with pytest.raises(ValueError, match=r"SpeculativeConfig\.model must be None with method='ngram'"):
         SpeculativeConfig(method="ngram", model="x", num_speculative_tokens=2)
@@ -136,9 +159,9 @@ def test_boundaries_accepted():
     for k in (1, 16):
         assert make(num_speculative_tokens=k).num_speculative_tokens == k
     for top_k in (1, 64):
-        assert make(relax_top_k=top_k).relax_top_k == top_k
+        assert make(relax_top_k=top_k, **RELAXED).relax_top_k == top_k
     for value in (0, 1, 0.0, 1.0):
-        cfg = make(relax_ratio=value, relax_delta=value)
+        cfg = make(relax_ratio=value, relax_delta=value, **RELAXED)
         assert cfg.relax_ratio == float(value) and isinstance(cfg.relax_ratio, float)
         assert cfg.relax_delta == float(value) and isinstance(cfg.relax_delta, float)
 

@@ -7,7 +7,7 @@ import torch
 from distributions import chi2_pvalue, dist_setup, pi_distribution, relaxed_set
 
 from thinkspec.sampling import rejection
-from thinkspec.sampling.rejection import rejection_sample
+from thinkspec.sampling.rejection import AcceptanceBatch, rejection_sample
 
 NAN = float("nan")
 NEG_INF = float("-inf")
@@ -22,10 +22,13 @@ def _params(b: int, *, temperature=0.0, ratio=1.0, top_k=1, delta=NAN):
     )
 
 
+def _rs(*args, generator=None, use_triton=None, validate=False, **kw):
+    """rejection_sample on an AcceptanceBatch built from the remaining arguments."""
+    return rejection_sample(AcceptanceBatch(*args, **kw), generator, validate=validate, use_triton=use_triton)
+
+
 def _call(logits, drafts, n, mask, **kw):
-    return rejection_sample(
-        target_logits=logits, draft_token_ids=drafts, num_draft_tokens=n, relax_mask=mask, **kw
-    )
+    return _rs(target_logits=logits, draft_token_ids=drafts, num_draft_tokens=n, relax_mask=mask, **kw)
 
 
 # ---------------------------------------------------------------- greedy
@@ -193,7 +196,7 @@ def test_nan_logits_raise():
     kw = _valid_inputs()
     kw["target_logits"][1, 2, 3] = NAN
     with pytest.raises(ValueError, match="NaN"):
-        rejection_sample(**kw)
+        _rs(**kw)
 
 
 @pytest.mark.parametrize(
@@ -216,18 +219,18 @@ def test_bad_inputs_raise(field, value, match):
     kw = _valid_inputs()
     kw[field] = value
     with pytest.raises(ValueError, match=match):
-        rejection_sample(**kw)
+        _rs(**kw)
 
 
 def test_all_neg_inf_and_pos_inf_rows_raise():
     kw = _valid_inputs()
     kw["target_logits"][0, 1] = NEG_INF
     with pytest.raises(ValueError, match="all -inf"):
-        rejection_sample(**kw)
+        _rs(**kw)
     kw = _valid_inputs()
     kw["target_logits"][0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"\+inf"):
-        rejection_sample(**kw)
+        _rs(**kw)
 
 
 # ---------------------------------------------------------------- sampling: distributions
@@ -242,7 +245,7 @@ def _sample_position(logits, temp, drafts, q=None, relax=False, ratio=1.0, top_k
     b, v = drafts.numel(), logits.numel()
     tl = logits.expand(b, k + 1, v).contiguous()
     d = drafts[:, None].expand(b, k).contiguous()
-    res = rejection_sample(
+    res = _rs(
         tl, d, torch.ones(b, dtype=torch.long), torch.full((b, k), relax),
         **_params(b, temperature=temp, ratio=ratio, top_k=top_k, delta=delta),
         draft_probs=None if q is None else q.float().expand(b, k, v).contiguous(),
@@ -321,7 +324,7 @@ def test_bonus_row_sampled_from_row_num_draft_tokens():
     tl = logits.expand(b, 3, v).contiguous()
     drafts = torch.zeros(b, 2, dtype=torch.long)
     # ratio 0 and top_k V: the relaxed test always passes, so the single draft is accepted.
-    res = rejection_sample(
+    res = _rs(
         tl, drafts, torch.ones(b, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
         **_params(b, temperature=temp, ratio=0.0, top_k=v), generator=torch.Generator().manual_seed(42),
     )  # fmt: skip
@@ -329,7 +332,7 @@ def test_bonus_row_sampled_from_row_num_draft_tokens():
     assert (res.output_token_ids[:, 2] == -1).all()
     assert chi2_pvalue(res.output_token_ids[:, 1], torch.softmax(row1.double() / temp, -1)) > P_FLOOR
     # num_draft_tokens = 0: the token comes straight from row 0.
-    res = rejection_sample(
+    res = _rs(
         tl, drafts, torch.zeros(b, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
         **_params(b, temperature=temp), generator=torch.Generator().manual_seed(43),
     )  # fmt: skip
@@ -357,29 +360,29 @@ def _mixed_batch(b=6, k=3, v=12, seed=5):
 def test_seeds_are_deterministic_and_batch_independent():
     kw = _mixed_batch()
     seeds = torch.arange(100, 106)
-    a = rejection_sample(**kw, seeds=seeds, seed_offset=3)
-    b = rejection_sample(**kw, seeds=seeds, seed_offset=3)
+    a = _rs(**kw, seeds=seeds, seed_offset=3)
+    b = _rs(**kw, seeds=seeds, seed_offset=3)
     assert torch.equal(a.output_token_ids, b.output_token_ids)
     # Reversed batch order: every request gets the same result.
     perm = torch.arange(5, -1, -1)
     kw2 = {name: t[perm] for name, t in kw.items()}
-    c = rejection_sample(**kw2, seeds=seeds[perm], seed_offset=3)
+    c = _rs(**kw2, seeds=seeds[perm], seed_offset=3)
     assert torch.equal(c.output_token_ids, a.output_token_ids[perm])
     assert torch.equal(c.relaxed_accepted, a.relaxed_accepted[perm])
     # Another offset gives another draw somewhere in a large batch.
     big = {name: t.repeat(50, *([1] * (t.dim() - 1))) for name, t in kw.items()}
     s = torch.arange(300)
-    x = rejection_sample(**big, seeds=s, seed_offset=0)
-    y = rejection_sample(**big, seeds=s, seed_offset=1)
+    x = _rs(**big, seeds=s, seed_offset=0)
+    y = _rs(**big, seeds=s, seed_offset=1)
     assert not torch.equal(x.output_token_ids, y.output_token_ids)
 
 
 def test_mixed_batch_greedy_rows_match_greedy_only_call():
     kw = _mixed_batch()
-    res = rejection_sample(**kw, generator=torch.Generator().manual_seed(0))
+    res = _rs(**kw, generator=torch.Generator().manual_seed(0))
     greedy = kw["temperature"] == 0
     kw_g = {name: t[greedy] for name, t in kw.items()}
-    ref = rejection_sample(**kw_g)
+    ref = _rs(**kw_g)
     assert torch.equal(res.output_token_ids[greedy], ref.output_token_ids)
     # Sampled rows: valid structure (accepted drafts, then one token, then -1).
     out, acc = res.output_token_ids, res.num_accepted
@@ -471,7 +474,7 @@ def test_mixed_batch_matches_per_row_oracle(monkeypatch, with_q):
         target_logits=logits, draft_token_ids=drafts, num_draft_tokens=n, relax_mask=mask, temperature=temp,
         relax_ratio=ratio, relax_top_k=top_k, relax_delta=delta, draft_probs=q,
     )  # fmt: skip
-    res = rejection_sample(**kw, use_triton=False, validate=True, all_greedy=False)
+    res = _rs(**kw, use_triton=False, validate=True, all_greedy=False)
     want_out, want_acc, want_flags = _brute_batch(kw, u, e)
     assert torch.equal(res.num_accepted, want_acc)
     assert torch.equal(res.output_token_ids, want_out)

@@ -21,7 +21,11 @@ from scipy.stats import binomtest  # noqa: E402
 from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
 from thinkspec.sampling import rejection_triton as rt  # noqa: E402
-from thinkspec.sampling.rejection import rejection_sample, rejection_sample_reference  # noqa: E402
+from thinkspec.sampling.rejection import (  # noqa: E402
+    AcceptanceBatch,
+    rejection_sample,
+    rejection_sample_reference,
+)
 
 NAN = float("nan")
 NEG_INF = float("-inf")
@@ -39,6 +43,18 @@ def test_sampling_distributions_under_interpreter():
 
 
 # ---------------------------------------------------------------- shared input builders
+
+
+def _ref(**kw):
+    return rejection_sample_reference(AcceptanceBatch(**kw))
+
+
+def _tri(validate=False, **kw):
+    return rt.rejection_sample_triton(AcceptanceBatch(**kw), validate=validate)
+
+
+def _rs(generator=None, use_triton=None, **kw):
+    return rejection_sample(AcceptanceBatch(**kw), generator, use_triton=use_triton)
 
 
 def _greedy_batch(gen, b, k, v, *, n=None, integer=True):
@@ -114,8 +130,8 @@ def small_tiles(monkeypatch, request):
 def test_interp_greedy_matches_reference(small_tiles, k, v):
     gen = torch.Generator().manual_seed(100 * k + v)
     kw = _greedy_batch(gen, 10, k, v)
-    _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
-    _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))  # counts were reset
+    _assert_same(_tri(**kw), _ref(**kw))
+    _assert_same(_tri(**kw), _ref(**kw))  # counts were reset
     for buf in rt._COUNTERS.get(torch.device("cpu"), []):
         assert not buf.any()
 
@@ -129,7 +145,7 @@ def test_interp_many_chunks_per_row(small_tiles):
     assert nc > rt.NC_BLOCK
     for _ in range(3):
         kw = _greedy_batch(gen, 1, 1, 400, n=torch.ones(1, dtype=torch.long))
-        _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
+        _assert_same(_tri(**kw), _ref(**kw))
 
 
 @interp
@@ -137,8 +153,8 @@ def test_interp_greedy_strict_equals_argmax_and_all_greedy_flag(small_tiles):
     gen = torch.Generator().manual_seed(5)
     kw = _greedy_batch(gen, 8, 3, 19, integer=False)
     kw["relax_mask"][:] = False
-    res = rt.rejection_sample_triton(**kw, all_greedy=True)
-    _assert_same(res, rejection_sample_reference(**kw))
+    res = _tri(**kw, all_greedy=True)
+    _assert_same(res, _ref(**kw))
     assert not res.relaxed_accepted.any()
 
 
@@ -148,7 +164,7 @@ def test_interp_half_logits(small_tiles, dtype):
     gen = torch.Generator().manual_seed(9)
     kw = _greedy_batch(gen, 6, 2, 21)
     kw["target_logits"] = kw["target_logits"].to(dtype)
-    _assert_same(rt.rejection_sample_triton(**kw), rejection_sample_reference(**kw))
+    _assert_same(_tri(**kw), _ref(**kw))
 
 
 @interp
@@ -160,10 +176,10 @@ def test_interp_zero_drafts_and_k0(small_tiles):
         temperature=torch.zeros(1), relax_ratio=torch.ones(1), relax_top_k=torch.ones(1, dtype=torch.long),
         relax_delta=torch.full((1,), NAN),
     )  # fmt: skip
-    res = rt.rejection_sample_triton(**kw)
+    res = _tri(**kw)
     assert res.output_token_ids.tolist() == [[1]] and res.num_accepted.tolist() == [0]
     kw["temperature"] = torch.ones(1)
-    res = rt.rejection_sample_triton(**kw, seeds=torch.tensor([3]))
+    res = _tri(**kw, seeds=torch.tensor([3]))
     assert res.num_accepted.tolist() == [0] and 0 <= int(res.output_token_ids[0, 0]) < 10
     assert int(res.output_token_ids[0, 0]) != 4  # -inf token
 
@@ -184,16 +200,16 @@ def test_interp_mixed_batch(small_tiles, with_q):
     if not with_q:
         kw["draft_probs"] = None
     seeds = torch.arange(9) * 7919
-    res = rt.rejection_sample_triton(**kw, seeds=seeds, seed_offset=5)
+    res = _tri(**kw, seeds=seeds, seed_offset=5)
     greedy = kw["temperature"] == 0
-    _assert_same(res, rejection_sample_reference(**kw), rows=greedy)
+    _assert_same(res, _ref(**kw), rows=greedy)
     _check_structure(res, kw)
     # Deterministic per seed, and independent of the rest of the batch.
-    again = rt.rejection_sample_triton(**kw, seeds=seeds, seed_offset=5)
+    again = _tri(**kw, seeds=seeds, seed_offset=5)
     _assert_same(res, again)
     perm = torch.tensor([4, 2, 7])
     sub = {name: (t[perm] if t is not None else None) for name, t in kw.items()}
-    _assert_same(rt.rejection_sample_triton(**sub, seeds=seeds[perm], seed_offset=5), res, b_rows=perm)
+    _assert_same(_tri(**sub, seeds=seeds[perm], seed_offset=5), res, b_rows=perm)
 
 
 @interp
@@ -208,7 +224,7 @@ def test_interp_sampled_deterministic_cases(small_tiles):
         relax_mask=torch.zeros(b, k, dtype=torch.bool), temperature=torch.full((b,), 0.7),
         relax_ratio=torch.zeros(b), relax_top_k=torch.full((b,), v), relax_delta=torch.full((b,), NAN),
     )  # fmt: skip
-    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(b))
+    res = _tri(**kw, seeds=torch.arange(b))
     out = res.output_token_ids
     # p(d) = 1 = q(d): always accepted. Request 1 drafts 5 (p = 0): rejected, residual = p -> 3.
     assert res.num_accepted.tolist() == [2, 0, 1, 0, 2, 1]
@@ -221,7 +237,7 @@ def test_interp_sampled_deterministic_cases(small_tiles):
     drafts[:, 0] = torch.tensor([7, 5, 7, 7, 7, 7])
     kw["relax_mask"][:] = True
     kw["draft_probs"] = torch.full((b, k, v), 1.0 / v)
-    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(b))
+    res = _tri(**kw, seeds=torch.arange(b))
     assert res.num_accepted.tolist() == [2, 0, 1, 0, 2, 1]
     assert res.output_token_ids[:, 0].tolist() == [7, 3, 7, 3, 7, 7]
     # p(7) < q(7) = 1/12, so the relaxed acceptances are flagged; p(3) > q(3) are not.
@@ -247,7 +263,7 @@ def test_interp_residual_excludes_rejected_mass(small_tiles, with_q):
         relax_top_k=torch.ones(b, dtype=torch.long), relax_delta=torch.full((b,), NAN),
         draft_probs=q if with_q else None,
     )  # fmt: skip
-    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(b) + 1000)
+    res = _tri(**kw, seeds=torch.arange(b) + 1000)
     rejected = res.num_accepted == 0
     assert 0 < int(rejected.sum()) < b
     assert (res.output_token_ids[rejected, 0] == 9).all()
@@ -260,15 +276,15 @@ def test_interp_residual_excludes_rejected_mass(small_tiles, with_q):
 def test_interp_dispatch_and_validate(small_tiles):
     gen = torch.Generator().manual_seed(2)
     kw = _greedy_batch(gen, 4, 2, 9)
-    _assert_same(rejection_sample(**kw, use_triton=True), rejection_sample_reference(**kw))
+    _assert_same(_rs(**kw, use_triton=True), _ref(**kw))
     kw["target_logits"][0, 0, 0] = NAN
     kw["num_draft_tokens"][0] = 1
     kw["draft_token_ids"][0, 0] = 0
     with pytest.raises(ValueError, match="NaN"):
-        rt.rejection_sample_triton(**kw, validate=True)
+        _tri(**kw, validate=True)
     kw["target_logits"][0, :2] = 0.0
     with pytest.raises(ValueError, match="all_greedy"):
-        rt.rejection_sample_triton(**{**kw, "temperature": torch.ones(4)}, all_greedy=True, validate=True)
+        _tri(**{**kw, "temperature": torch.ones(4)}, all_greedy=True, validate=True)
 
 
 # Requests per case: the interpreter runs four programs per request in Python (~50 ms a request on
@@ -295,7 +311,7 @@ def test_interp_sampling_distributions(relax):
         relax_top_k=torch.full((n,), top_k, dtype=torch.long), relax_delta=torch.full((n,), NAN),
         draft_probs=q.float().expand(n, 1, -1).contiguous(),
     )  # fmt: skip
-    res = rt.rejection_sample_triton(**kw, seeds=torch.arange(n) + 17)
+    res = _tri(**kw, seeds=torch.arange(n) + 17)
     out = res.output_token_ids[:, 0]  # [N]
     acc = res.num_accepted == 1  # [N] bool
     # Exact: accepted drafts are kept; a rejected draft is replaced by a token of the residual
@@ -352,8 +368,8 @@ def test_gpu_greedy_matches_reference(dtype, k, v):
     b = 24 if v < 100_000 else 6
     kw = _greedy_batch(gen, b, k, v)
     kw["target_logits"] = kw["target_logits"].to(dtype)
-    want = rejection_sample_reference(**kw)
-    got = rejection_sample(**_cuda(kw))
+    want = _ref(**kw)
+    got = _rs(**_cuda(kw))
     assert got.output_token_ids.is_cuda
     keep = ~_near_boundary(kw)
     assert keep.float().mean() > 0.8
@@ -365,18 +381,18 @@ def test_gpu_greedy_matches_reference(dtype, k, v):
 def test_gpu_mixed_batch_and_seeds(v):
     gen = torch.Generator().manual_seed(v)
     kw = _sampled_batch(gen, 12, 5, v)
-    want = rejection_sample_reference(**kw)
+    want = _ref(**kw)
     kwc = _cuda(kw)
     seeds = torch.arange(12, device="cuda") * 31
-    res = rejection_sample(**kwc, seeds=seeds, seed_offset=2)
+    res = _rs(**kwc, seeds=seeds, seed_offset=2)
     greedy = kw["temperature"] == 0
     keep = greedy & ~_near_boundary(kw)
     _assert_same(res, want, rows=keep)
     _check_structure(res, kw)
-    _assert_same(res, rejection_sample(**kwc, seeds=seeds, seed_offset=2))
+    _assert_same(res, _rs(**kwc, seeds=seeds, seed_offset=2))
     perm = torch.tensor([11, 3, 4])
     sub = {name: t[perm.to(t.device)] for name, t in kwc.items()}
-    _assert_same(rejection_sample(**sub, seeds=seeds[perm.cuda()], seed_offset=2), res, b_rows=perm.cuda())
+    _assert_same(_rs(**sub, seeds=seeds[perm.cuda()], seed_offset=2), res, b_rows=perm.cuda())
 
 
 N_GPU = 400_000
@@ -411,7 +427,7 @@ def test_gpu_sampling_distributions(relax, logit_dtype):
         relax_delta=torch.full((n,), NAN, device="cuda"),
         draft_probs=q.float().cuda().expand(n, 1, v).contiguous(),
     )  # fmt: skip
-    res = rejection_sample(**kw, generator=torch.Generator(device="cuda").manual_seed(7))
+    res = _rs(**kw, generator=torch.Generator(device="cuda").manual_seed(7))
     assert chi2_pvalue(res.output_token_ids[:, 0], want) > 1e-4
     if relax:
         assert chi2_pvalue(res.output_token_ids[:, 0], p) < 1e-12
@@ -438,7 +454,7 @@ def test_gpu_large_vocab_race_spans_tiles():
         relax_top_k=torch.ones(n, dtype=torch.long, device="cuda"),
         relax_delta=torch.full((n,), NAN, device="cuda"),
     )  # fmt: skip
-    res = rejection_sample(**kw, seeds=torch.arange(n, device="cuda"))
+    res = _rs(**kw, seeds=torch.arange(n, device="cuda"))
     first = res.output_token_ids[:, 0].cpu().contiguous()
     assert torch.isin(first, ids).all()
     pos = torch.searchsorted(ids, first)
@@ -453,18 +469,18 @@ def test_gpu_cuda_graph_capture():
     kw = _cuda(_sampled_batch(gen, 16, 4, 5000))
     seeds = torch.arange(16, device="cuda")
     static = {name: t.clone() for name, t in kw.items()}
-    eager = rejection_sample(**static, seeds=seeds)  # compiles the kernels
+    eager = _rs(**static, seeds=seeds)  # compiles the kernels
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = rejection_sample(**static, seeds=seeds)
+        captured = _rs(**static, seeds=seeds)
     graph.replay()
     _assert_same(captured, eager)
     fresh = _cuda(_sampled_batch(torch.Generator().manual_seed(5), 16, 4, 5000))
     for name, t in fresh.items():
         static[name].copy_(t)
     graph.replay()
-    _assert_same(captured, rejection_sample(**fresh, seeds=seeds))
+    _assert_same(captured, _rs(**fresh, seeds=seeds))
 
 
 @gpu
@@ -496,7 +512,7 @@ def test_gpu_one_build_across_batch_sizes_and_draft_lengths():
             relax_top_k=torch.ones(b, dtype=torch.int64, device="cuda"),
             relax_delta=torch.full((b,), NAN, device="cuda"),
         )
-        res = rejection_sample(**kw, seeds=torch.arange(b, device="cuda"))
+        res = _rs(**kw, seeds=torch.arange(b, device="cuda"))
         greedy = kw["temperature"] == 0
         strict = (drafts == logits[:, :k].argmax(-1)).cumprod(-1).sum(-1)
         assert torch.equal(res.num_accepted[greedy], strict[greedy])

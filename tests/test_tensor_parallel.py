@@ -37,7 +37,7 @@ PROMPTS = [*THINKING, *ANSWERING, [65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 7
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 STRICT = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, relaxed_thinking=False)
 RELAXED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, relaxed_thinking=True)
-RELAX = {"reasoning_parser": "qwen3", "relax_ratio": 0.1, "relax_top_k": 8}
+RELAX = {"reasoning_parser": "qwen3", "relaxed_thinking": True, "relax_ratio": 0.1, "relax_top_k": 8}
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 

@@ -123,8 +123,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     relaxed_thinking: bool = False
-    relax_ratio: float = 1.0
-    relax_top_k: int = 1
+    relax_ratio: float | None = None  # None = unset: the request's, else 1.0
+    relax_top_k: int | None = None  # None = unset: the request's, else 1
     relax_delta: float | None = None
     reasoning_parser: str | None = None
     think_start_token: str | None = None
@@ -177,16 +177,7 @@ class SpeculativeConfig:
         if self.synthetic_acceptance_profile is not None:
             self._check_synthetic_profile(owner)
 
-        validate_relax_fields(
-            relaxed_thinking=self.relaxed_thinking,
-            relax_top_k=self.relax_top_k,
-            owner=owner,
-        )
-        _, self.relax_ratio, _, self.relax_delta = validate_relax_fields(
-            relax_ratio=self.relax_ratio, relax_delta=self.relax_delta, owner=owner
-        )
-        if self.relax_ratio is None:
-            raise ValueError(f"{owner}.relax_ratio must be a float in [0, 1], got None")
+        check_relax_settings(self, owner)
 
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
@@ -349,4 +340,24 @@ class SpeculativeConfig:
         raise ValueError(
             "speculative_config must be None, a dict, a JSON string or a SpeculativeConfig, "
             f"got {type(value).__name__}"
+        )
+
+
+def check_relax_settings(cfg: SpeculativeConfig, owner: str) -> None:
+    """Validates the relax fields in place (ints given for floats become floats), and refuses
+    relax_ratio / relax_top_k / relax_delta without relaxed_thinking=True: they only act where
+    relaxation is on, so without the flag they would be ignored without a word."""
+    _, cfg.relax_ratio, cfg.relax_top_k, cfg.relax_delta = validate_relax_fields(
+        relaxed_thinking=cfg.relaxed_thinking,
+        relax_ratio=cfg.relax_ratio,
+        relax_top_k=cfg.relax_top_k,
+        relax_delta=cfg.relax_delta,
+        owner=owner,
+    )
+    given = [name for name in ("relax_ratio", "relax_top_k", "relax_delta") if getattr(cfg, name) is not None]
+    if given and cfg.relaxed_thinking is not True:
+        raise ValueError(
+            f"{owner}.{', '.join(given)} given without relaxed_thinking=True, so they would be ignored: "
+            'add "relaxed_thinking": true (requests can still opt out with relaxed_thinking=False) '
+            "or leave them out"
         )

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from thinkspec.config import validate_relax_fields
+
+if TYPE_CHECKING:
+    from thinkspec.config import SpeculativeConfig
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -20,6 +25,11 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_N = 128
 # vLLM's ranges for the OpenAI penalties.
 MAX_ABS_PENALTY = 2.0
+# The relaxed test's settings where neither the request nor the engine gives them: ratio 1 with
+# top-k 1 admits only a draft tied with the argmax.
+DEFAULT_RELAX_RATIO = 1.0
+DEFAULT_RELAX_TOP_K = 1
+_RELAX_KNOBS = ("relax_ratio", "relax_top_k", "relax_delta")
 
 
 def _show(value: object, limit: int = 60) -> str:
@@ -162,3 +172,49 @@ def _check_number(
         raise ValueError(f"{name} must be in {allowed}, got {value}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be in {allowed}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class RelaxSettings:
+    """One request's relaxed acceptance inside <think>, resolved once when it is added
+    (`resolve_relax`); the defaults are relaxation off."""
+
+    enabled: bool = False
+    ratio: float = DEFAULT_RELAX_RATIO  # [0, 1]
+    top_k: int = DEFAULT_RELAX_TOP_K  # [1, MAX_RELAX_TOP_K]
+    delta: float = math.nan  # [0, 1], NaN = unset
+
+
+RELAX_OFF = RelaxSettings()
+
+
+def resolve_relax(
+    params: SamplingParams, config: SpeculativeConfig | None, owner: str = "request"
+) -> RelaxSettings:
+    """Each setting from the request's override, else the engine's `config`, else the default.
+
+    A request that sets relax_ratio, relax_top_k or relax_delta while its relaxation is off (its
+    relaxed_thinking, else the config's, is not True) gets a ValueError naming relaxed_thinking:
+    those settings would otherwise be ignored without a word. `owner` starts the message.
+    """
+    enabled = params.relaxed_thinking
+    if enabled is None:
+        enabled = config is not None and config.relaxed_thinking
+    if not enabled:
+        given = [name for name in _RELAX_KNOBS if getattr(params, name) is not None]
+        if given:
+            raise ValueError(
+                f"{owner}: {', '.join(given)} set but relaxed thinking is off; set relaxed_thinking=True "
+                "(on the request, or in speculative_config) or leave them unset"
+            )
+        return RELAX_OFF
+
+    c = config
+    ratio = _first_set(params.relax_ratio, c.relax_ratio if c else None, DEFAULT_RELAX_RATIO)
+    top_k = _first_set(params.relax_top_k, c.relax_top_k if c else None, DEFAULT_RELAX_TOP_K)
+    delta = _first_set(params.relax_delta, c.relax_delta if c else None, math.nan)
+    return RelaxSettings(True, float(ratio), int(top_k), float(delta))
+
+
+def _first_set(*values: float | None) -> float:
+    return next(v for v in values if v is not None)

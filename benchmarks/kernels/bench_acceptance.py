@@ -115,7 +115,7 @@ def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 
 def run_case(dtype_name: str, rows: int, args: argparse.Namespace, bandwidth: float) -> dict:
-    from thinkspec.sampling.rejection import rejection_sample
+    from thinkspec.sampling.rejection import AcceptanceBatch, rejection_sample
 
     k, v = args.k, args.vocab
     if rows % (k + 1):
@@ -156,7 +156,7 @@ def run_case(dtype_name: str, rows: int, args: argparse.Namespace, bandwidth: fl
 
     # The fused strict path must agree with sequential argmax on this data before it is timed.
     logits, drafts = bufs[0]
-    res = rejection_sample(logits, drafts, **variants["strict"][0], **variants["strict"][1])
+    res = rejection_sample(AcceptanceBatch(logits, drafts, **variants["strict"][0], **variants["strict"][1]))
     argmax = logits.float().argmax(-1)  # [B, K+1]
     first_bad = (drafts != argmax[:, :k]).long().argmax(-1)
     all_ok = (drafts == argmax[:, :k]).all(-1)
@@ -176,11 +176,14 @@ def run_case(dtype_name: str, rows: int, args: argparse.Namespace, bandwidth: fl
         "read_kernel": graphed([lambda lg=lg: read_max(lg) for lg, _ in flat]),
     }
     for name, (p, extra) in variants.items():
-        calls = [lambda lg=lg, d=d, p=p, extra=extra: rejection_sample(lg, d, **p, **extra) for lg, d in bufs]
+        calls = [
+            lambda lg=lg, d=d, p=p, extra=extra: rejection_sample(AcceptanceBatch(lg, d, **p, **extra))
+            for lg, d in bufs
+        ]
         fns[name] = graphed(calls)
     p, extra = variants["strict"]
     fns["strict_eager"] = _rotating(
-        [lambda lg=lg, d=d: rejection_sample(lg, d, **p, **extra) for lg, d in bufs]
+        [lambda lg=lg, d=d: rejection_sample(AcceptanceBatch(lg, d, **p, **extra)) for lg, d in bufs]
     )
     t = {name: bench_us(fn, args.warmup, args.rep) for name, fn in fns.items()}
     t_b2b = {name: back_to_back_us(fn, 2 * nbuf) for name, fn in fns.items()}

@@ -1,7 +1,7 @@
 """Launch-shape sweep for the fused acceptance kernel's stats pass (greedy rows, the hot path).
 
 For each (tile, entries per lane, warps, register cap, fused accept or not) and strict or relaxable
-rows, it times `rejection_sample_triton(..., all_greedy=True)` as CUDA-graph replays two ways, on
+rows, it times `rejection_sample_triton` (all_greedy=True) as CUDA-graph replays two ways, on
 inputs rotating over enough fresh buffers that no call hits L2:
   flushed   triton.testing.do_bench median (L2 flushed by a 256 MB write before every call, so the
             kernel also pays for writing those dirty lines back)
@@ -54,6 +54,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("tune_acceptance needs a CUDA device")
     import thinkspec.sampling.rejection_triton as rt
+    from thinkspec.sampling.rejection_common import AcceptanceBatch
 
     bw = copy_bandwidth(warmup=25, rep=200)
     results = []
@@ -102,7 +103,7 @@ def main() -> None:
                 cfg = dict(dtype=dt, rows=rows, relax=relax, tile=tile, vec=vec, warps=warps, maxnreg=maxnreg)
                 cfg["fuse"] = fuse
                 try:
-                    res = rt.rejection_sample_triton(*bufs[0], **common, all_greedy=True)
+                    res = rt.rejection_sample_triton(AcceptanceBatch(*bufs[0], **common, all_greedy=True))
                     torch.cuda.synchronize()
                 except Exception as e:  # a launch shape the compiler refuses: record and go on
                     results.append({**cfg, "error": str(e)[:200]})
@@ -113,7 +114,9 @@ def main() -> None:
                 elif not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
                     raise RuntimeError(f"{cfg} changed the result")
                 calls = [
-                    lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(lg, d, **c, all_greedy=True)
+                    lambda lg=lg, d=d, c=common: rt.rejection_sample_triton(
+                        AcceptanceBatch(lg, d, **c, all_greedy=True)
+                    )
                     for lg, d in bufs
                 ]
                 fn = graphed(calls)

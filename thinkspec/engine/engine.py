@@ -24,7 +24,7 @@ from thinkspec.engine_args import EngineArgs
 from thinkspec.models.loader import check_tensor_parallel_size
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling.logprobs import LogprobsTensors
-from thinkspec.sampling_params import SamplingParams
+from thinkspec.sampling_params import SamplingParams, resolve_relax
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.utils import logger, resolve_device
 
@@ -140,6 +140,8 @@ class LLMEngine:
                 f"request {request_id!r}: thinking_token_budget needs a reasoning parser "
                 "(reasoning_parser, or think_start/end tokens in speculative_config)"
             )
+        spec = self.speculator.config if self.speculator is not None else None
+        relax = resolve_relax(params, spec, f"request {request_id!r}")
         # The parser's starting phase, so relaxation covers exactly the text returned as reasoning.
         kwargs = prompt.get("chat_template_kwargs") if isinstance(prompt, Mapping) else None
         starts = self.reasoning is not None and self.reasoning.starts_in_thinking(token_ids, kwargs)
@@ -157,7 +159,7 @@ class LLMEngine:
                 child_id(request_id, i) if params.n > 1 else request_id, token_ids,
                 child_params(params, i) if params.n > 1 else params, prompt=text,
                 eos_token_ids=self.eos_token_ids, has_draft=self.draft_model is not None,
-                thinking=starts, starts_thinking=starts,
+                thinking=starts, starts_thinking=starts, relax=relax,
                 parent_id=request_id if params.n > 1 else None, index=i,
             )
             for i in range(params.n)

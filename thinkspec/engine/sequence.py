@@ -13,7 +13,7 @@ import torch
 from thinkspec.engine.detokenizer import IncrementalDetokenizer
 from thinkspec.outputs import PositionLogprobs, RequestMetrics
 from thinkspec.reasoning.tracker import force_token
-from thinkspec.sampling_params import SamplingParams
+from thinkspec.sampling_params import RELAX_OFF, RelaxSettings, SamplingParams
 
 PENDING_TOKEN = -1  # stands for a sampled token still on its way to the host (never an input)
 
@@ -60,6 +60,7 @@ class Sequence:
     thinking: bool = False
     starts_thinking: bool = False  # the phase the output started in (the reasoning split's start)
     num_thinking_tokens: int = 0  # output tokens committed inside <think> (markers not counted)
+    relax: RelaxSettings = RELAX_OFF  # relaxed acceptance inside <think>, resolved when the request is added
     # Parallel sampling (n > 1): the request this sequence is one completion of, and its index.
     parent_id: str | None = None
     index: int = 0

@@ -17,7 +17,6 @@ moves to N + a: the slots of rejected drafts are overwritten later (no block chu
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,10 +33,11 @@ from thinkspec.engine.model_runner import ModelRunner
 from thinkspec.engine.sampling_extras import PromptRows, StepExtras, attach_step_logprobs, sample_with_extras
 from thinkspec.engine.scheduler import SchedulerOutput, StepOutcome
 from thinkspec.engine.sequence import Sequence, mask_stops_before_min_tokens
+from thinkspec.engine.verify_rows import VerifyRows
 from thinkspec.reasoning.parsers import ResolvedReasoning
 from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling.logprobs import LogprobsTensors
-from thinkspec.sampling.rejection import RejectionResult, rejection_sample
+from thinkspec.sampling.rejection import AcceptanceBatch, RejectionResult, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_length import (
     GROUPS,
@@ -335,18 +335,8 @@ class Speculator:
     # ---- per-request settings ------------------------------------------------------------------
 
     def relax_enabled(self, seq: Sequence) -> bool:
-        """Whether this request relaxes its thinking phase: its override, else the config."""
-        override = seq.sampling_params.relaxed_thinking
-        return bool(self.config.relaxed_thinking if override is None else override)
-
-    def relax_settings(self, seq: Sequence) -> tuple[bool, float, int, float]:
-        """(enabled, ratio, top_k, delta or NaN) for one request: its overrides, else the config."""
-        p, c = seq.sampling_params, self.config
-        enabled = self.relax_enabled(seq)
-        ratio = c.relax_ratio if p.relax_ratio is None else p.relax_ratio
-        top_k = c.relax_top_k if p.relax_top_k is None else p.relax_top_k
-        delta = c.relax_delta if p.relax_delta is None else p.relax_delta
-        return enabled, float(ratio), int(top_k), math.nan if delta is None else float(delta)
+        """Whether this request relaxes its thinking phase (resolved when it was added)."""
+        return seq.relax.enabled
 
     def _cost_model(self) -> StepCostModel:
         """Measured from the graphs where the target replays them, the default model elsewhere."""
@@ -768,32 +758,13 @@ class Speculator:
         drafts = proposal.draft_token_ids  # [S, k]
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.is_greedy for p in params)
-        settings = [self.relax_settings(s) for s in seqs]
         profile = self.config.synthetic_acceptance_profile
         limit = profile["thinking_tokens"] if profile is not None else 0
-        host = torch.tensor(
-            [
-                [
-                    float(n),
-                    float(en),
-                    ratio,
-                    float(top_k),
-                    delta,
-                    float(s.thinking),
-                    float(not p.is_greedy),
-                    float(s.num_thinking_tokens),
-                    float(_budget(p)),
-                    float(s.num_output_tokens < limit),
-                ]
-                for n, (en, ratio, top_k, delta), s, p in zip(proposal.num_drafts, settings, seqs, params)
-            ],
-            dtype=torch.float64,
-        )  # [S, 10]: num_drafts, relax on, ratio, top_k, delta, thinking, sampled, thinking tokens, budget,
-        # synthetic-profile thinking
-        dev = host.to(self.device, non_blocking=True)
-        num_drafts, thinking = dev[:, 0].long(), dev[:, 5].bool()
-        # Sampled rows reach rejection_sample already scaled, so its temperature is 1 there, 0 = greedy.
-        temperature = dev[:, 6].float()
+        rows = VerifyRows(
+            [VerifyRows.row(n, s, _budget(p), limit) for n, s, p in zip(proposal.num_drafts, seqs, params)],
+            self.device,
+        )
+        num_drafts, thinking = rows.num_drafts, rows.thinking
         extras = StepExtras.build(seqs, target.shape[-1], self.device)
         raw = extras.raw_rows(target) if extras is not None else None
         if extras is not None:
@@ -806,11 +777,11 @@ class Speculator:
         if self.tracker is not None and any(p.thinking_token_budget is not None for p in params):
             # Past the budget a row allows only </think>: no other draft is accepted there and the
             # correction token is the end marker, as in plain decoding.
-            rows = self.tracker.over_budget(thinking, dev[:, 7].long(), dev[:, 8].long(), drafts)
-            force_token(target, rows, self.tracker.think_end_id)
-        relax_mask, thinking_before = self._relax_mask(seqs, drafts, num_drafts, thinking, dev[:, 1].bool())
+            over = self.tracker.over_budget(thinking, rows.thinking_tokens, rows.budget, drafts)
+            force_token(target, over, self.tracker.think_end_id)
+        relax_mask, thinking_before = self._relax_mask(seqs, drafts, num_drafts, thinking, rows.relax_on)
         if profile is not None:  # benchmark mode: the metrics' phase is the profile's, as the acceptance's
-            thinking_before = dev[:, 9].bool()[:, None].expand_as(drafts)
+            thinking_before = rows.profile_thinking[:, None].expand_as(drafts)
         seeds = None
         if not all_greedy:
             seeds = [
@@ -818,12 +789,14 @@ class Speculator:
                 for p, s in zip(params, seqs)
             ]
             seeds = torch.tensor(seeds, dtype=torch.long).to(self.device, non_blocking=True)
-        result = rejection_sample(
-            target, drafts, num_drafts, relax_mask, temperature, dev[:, 2].float(), dev[:, 3].long(),
-            dev[:, 4].float(), proposal.draft_probs, self.generator, seeds=seeds, all_greedy=all_greedy,
+        # Sampled rows reach rejection_sample already scaled, so their temperature is 1, 0 = greedy.
+        batch = AcceptanceBatch(
+            target, drafts, num_drafts, relax_mask, rows.temperature, rows.ratio, rows.top_k, rows.delta,
+            proposal.draft_probs, seeds, all_greedy=all_greedy,
         )  # fmt: skip
+        result = rejection_sample(batch, self.generator)
         if self.config.synthetic_acceptance_rate is not None or profile is not None:
-            result = self._synthetic(result, target, drafts, num_drafts, dev[:, 9].bool(), seqs)
+            result = self._synthetic(result, target, drafts, num_drafts, rows.profile_thinking, seqs)
         lp = extras.logprobs(raw, result.output_token_ids) if extras is not None else None
         return result, thinking_before, extras, lp
 

@@ -29,53 +29,41 @@ import os
 
 import torch
 
-from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, check_values
+from thinkspec.sampling.rejection_common import AcceptanceBatch, RejectionResult, check_values
 from thinkspec.sampling.sampler import exponential_race, mix_seed
 
-__all__ = ["RejectionResult", "rejection_sample", "rejection_sample_reference"]
+__all__ = [
+    "AcceptanceBatch",
+    "RejectionResult",
+    "rejection_sample",
+    "rejection_sample_reference",
+    "relaxed_test",
+]
 
 
 def rejection_sample(
-    target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    relax_mask: torch.Tensor,
-    temperature: torch.Tensor,
-    relax_ratio: torch.Tensor,
-    relax_top_k: torch.Tensor,
-    relax_delta: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
+    batch: AcceptanceBatch,
     generator: torch.Generator | None = None,
     *,
-    seeds: torch.Tensor | None = None,
-    seed_offset: int = 0,
-    all_greedy: bool | None = None,
     validate: bool = False,
     use_triton: bool | None = None,
 ) -> RejectionResult:
     """Routes CUDA tensors to the Triton kernels and everything else to the torch reference.
 
-    Shapes as in `rejection_common`. `all_greedy` (a promise that every temperature is 0) lets the
-    kernels skip their sampling launches; `validate` makes the kernels check values too (a sync);
-    the reference always checks them. `use_triton` forces the choice (None = by device).
+    Inputs as documented on `AcceptanceBatch`. `validate` makes the kernels check values too (a
+    sync); the reference always checks them. `use_triton` forces the choice (None = by device).
     """
     if use_triton is None:
         use_triton = (
-            target_logits.is_cuda
+            batch.target_logits.is_cuda
             and os.environ.get("THINKSPEC_REJECTION_REFERENCE", "0") != "1"
             and importlib.util.find_spec("triton") is not None
         )
     if use_triton:
         from thinkspec.sampling.rejection_triton import rejection_sample_triton
 
-        fn = rejection_sample_triton
-    else:
-        fn = rejection_sample_reference
-    return fn(
-        target_logits, draft_token_ids, num_draft_tokens, relax_mask, temperature, relax_ratio, relax_top_k,
-        relax_delta, draft_probs, generator, seeds=seeds, seed_offset=seed_offset, all_greedy=all_greedy,
-        validate=validate,
-    )  # fmt: skip
+        return rejection_sample_triton(batch, generator, validate=validate)
+    return rejection_sample_reference(batch, generator)
 
 
 def _draw_randoms(
@@ -97,53 +85,34 @@ def _draw_randoms(
 
 
 def rejection_sample_reference(
-    target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    relax_mask: torch.Tensor,
-    temperature: torch.Tensor,
-    relax_ratio: torch.Tensor,
-    relax_top_k: torch.Tensor,
-    relax_delta: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    seeds: torch.Tensor | None = None,
-    seed_offset: int = 0,
-    all_greedy: bool | None = None,
-    validate: bool = True,
+    batch: AcceptanceBatch, generator: torch.Generator | None = None
 ) -> RejectionResult:
     """Pure-torch acceptance, vectorised over the batch, computed in float32 on any device.
 
-    Always validates values (syncs), whatever `validate` says; `all_greedy` is accepted for
-    interchangeability with the kernels and ignored. Raises ValueError on NaN or +inf in a used
-    row (rows 0..num_draft_tokens[b]), on a used row that is all -inf, and on out-of-range inputs.
+    Always validates values (syncs); `batch.all_greedy` is only checked. Raises ValueError on NaN
+    or +inf in a used row (rows 0..num_draft_tokens[b]), on a used row that is all -inf, and on
+    out-of-range inputs.
     """
-    b, k, v = check_shapes(
-        target_logits, draft_token_ids, num_draft_tokens, relax_mask, temperature, relax_ratio,
-        relax_top_k, relax_delta, draft_probs, seeds,
-    )  # fmt: skip
-    check_values(
-        target_logits, draft_token_ids, num_draft_tokens, temperature, relax_ratio, relax_top_k,
-        relax_delta, draft_probs,
-    )  # fmt: skip
-    dev = target_logits.device
-    n = num_draft_tokens.long()  # [B]
+    check_values(batch)
+    b, k, v = batch.dims
+    temperature, draft_probs = batch.temperature, batch.draft_probs
+    dev = batch.target_logits.device
+    n = batch.num_draft_tokens.long()  # [B]
     greedy = temperature == 0  # [B] bool
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [B]
-    x = target_logits.float() / temp[:, None, None]  # [B, K+1, V]
-    x_max = x.amax(-1)  # [B, K+1]
+    x = batch.target_logits.float() / temp[:, None, None]  # [B, K+1, V]
     g = x.argmax(-1)  # [B, K+1], first index of the max
-    lse = torch.logsumexp(x, -1)  # [B, K+1]
+    lse = torch.logsumexp(x[:, :k], -1)  # [B, K]
 
-    d = draft_token_ids.long().clamp(0, v - 1)  # [B, K], padding clamped so gathers stay in range
+    d = batch.draft_token_ids.long().clamp(0, v - 1)  # [B, K], padding clamped so gathers stay in range
     xd = x[:, :k].gather(-1, d[..., None]).squeeze(-1)  # [B, K]
-    pd = torch.exp(xd - lse[:, :k])  # [B, K]
-    relax_args = (relax_top_k, relax_ratio, relax_delta)
-    relaxed = relax_mask & _relaxed_test(x[:, :k], xd, x_max[:, :k], lse[:, :k], *relax_args)  # [B, K]
+    pd = torch.exp(xd - lse)  # [B, K]
+    relaxed = batch.relax_mask & relaxed_test(
+        x[:, :k], d, batch.relax_ratio, batch.relax_top_k, batch.relax_delta
+    )  # [B, K]
 
     strict = d == g[:, :k]  # [B, K]
-    u, e = _draw_randoms(b, k, v, dev, generator, seeds, seed_offset)  # [B, K], [B, V]
+    u, e = _draw_randoms(b, k, v, dev, generator, batch.seeds, batch.seed_offset)  # [B, K], [B, V]
     qd = (
         torch.ones_like(pd)
         if draft_probs is None
@@ -165,21 +134,25 @@ def rejection_sample_reference(
         emitted = torch.where(greedy, emitted, _sample_emitted(x, j, n, d, draft_probs, e))
 
     out = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
-    out[:, :k] = torch.where(in_run, draft_token_ids.long(), -1)
+    out[:, :k] = torch.where(in_run, batch.draft_token_ids.long(), -1)
     out.scatter_(1, j[:, None], emitted[:, None])
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted, relaxed_accepted=relaxed_accepted)
 
 
-def _relaxed_test(
-    x: torch.Tensor,  # [B, K, V] float32 logits of the draft rows
-    xd: torch.Tensor,  # [B, K] the draft tokens' logits
-    x_max: torch.Tensor,  # [B, K]
-    lse: torch.Tensor,  # [B, K] logsumexp of each row
-    relax_top_k: torch.Tensor,  # [B] int
-    relax_ratio: torch.Tensor,  # [B] float
-    relax_delta: torch.Tensor,  # [B] float, NaN = unset
+def relaxed_test(
+    x: torch.Tensor,  # [B, K, V] float logits of the draft rows (already divided by the temperature)
+    draft_token_ids: torch.Tensor,  # [B, K] int64 in [0, V)
+    relax_ratio: torch.Tensor,  # [B] float in [0, 1]
+    relax_top_k: torch.Tensor,  # [B] int >= 1
+    relax_delta: torch.Tensor,  # [B] float in [0, 1], NaN = unset
 ) -> torch.Tensor:
-    """[B, K] bool: p(d) > 0, rank(d) < top_k, p(d) >= ratio * p_max and, when set, p_max - p(d) <= delta."""
+    """[B, K] bool, the relaxed test (docs/ACCEPTANCE.md) of each draft d under its row's
+    p = softmax(x): p(d) > 0, rank(d) < top_k, p(d) >= ratio * p_max and, when delta is set,
+    p_max - p(d) <= delta. The relax mask (phase, protected tokens) is the caller's."""
+    x = x.float()
+    xd = x.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, K]
+    x_max = x.amax(-1)  # [B, K]
+    lse = torch.logsumexp(x, -1)  # [B, K]
     rank = (x > xd[..., None]).sum(-1)  # [B, K]
     pd = torch.exp(xd - lse)
     pmax = torch.exp(x_max - lse)

@@ -1,17 +1,8 @@
-"""Result type and input validation shared by the torch reference and the Triton kernels (of acceptance,
-and the greedy argmax's output buffer: check_tokens_out).
+"""Inputs, result and input validation shared by the torch reference and the Triton kernels (of
+acceptance, and the greedy argmax's output buffer: check_tokens_out).
 
-Shapes for a batch of B requests, K draft slots per request and vocabulary V:
-  target_logits     [B, K+1, V] float   row i scores draft i; row K scores the bonus token
-  draft_token_ids   [B, K] int64/int32  entries at positions >= num_draft_tokens[b] are padding
-  num_draft_tokens  [B] int             in [0, K]
-  relax_mask        [B, K] bool         relaxed test allowed at this position
-  temperature       [B] float           0 = greedy request, > 0 = sampled request
-  relax_ratio       [B] float           in [0, 1]
-  relax_top_k       [B] int             >= 1
-  relax_delta       [B] float           in [0, 1], NaN = unset
-  draft_probs       [B, K, V] float     draft distribution q, or None (q = one_hot(draft))
-  seeds             [B] int64           per-request RNG seeds, or None
+`AcceptanceBatch` documents the acceptance inputs once; `rejection_sample` and both of its
+implementations take one.
 """
 
 from __future__ import annotations
@@ -19,6 +10,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceBatch:
+    """One verify step's acceptance inputs: B requests, K draft slots each, vocabulary V.
+
+    Shapes, dtypes and devices are checked at construction (metadata only, no device sync); values
+    by `check_values` (a sync).
+    """
+
+    target_logits: torch.Tensor  # [B, K+1, V] float: row i scores draft i, row num_draft_tokens[b] the bonus
+    draft_token_ids: torch.Tensor  # [B, K] int64/int32; positions >= num_draft_tokens[b] are padding
+    num_draft_tokens: torch.Tensor  # [B] int64/int32 in [0, K]
+    relax_mask: torch.Tensor  # [B, K] bool: the relaxed test is allowed here (phase, protected tokens)
+    temperature: torch.Tensor  # [B] float: 0 = greedy; > 0 = sampled (rows already top-k/top-p filtered)
+    relax_ratio: torch.Tensor  # [B] float in [0, 1]
+    relax_top_k: torch.Tensor  # [B] int64/int32 >= 1
+    relax_delta: torch.Tensor  # [B] float in [0, 1], NaN = unset
+    draft_probs: torch.Tensor | None = None  # [B, K, V] float draft distribution q; None: q = one_hot(draft)
+    seeds: torch.Tensor | None = None  # [B] int64 per-request seeds; None: draws come from the generator
+    seed_offset: int = 0  # per-step offset mixed into every request's stream
+    all_greedy: bool | None = None  # True promises every temperature is 0: kernels skip the sampling launches
+
+    def __post_init__(self) -> None:
+        check_shapes(self)
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(B, K, V)."""
+        b, k1, v = self.target_logits.shape
+        return b, k1 - 1, v
 
 
 @dataclass(slots=True)
@@ -55,19 +77,9 @@ def _check_tensor(
     _check(t.device == device, f"{name} is on {t.device} but target_logits is on {device}")
 
 
-def check_shapes(
-    target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    relax_mask: torch.Tensor,
-    temperature: torch.Tensor,
-    relax_ratio: torch.Tensor,
-    relax_top_k: torch.Tensor,
-    relax_delta: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    seeds: torch.Tensor | None,
-) -> tuple[int, int, int]:
-    """Metadata-only checks (no device sync); returns (B, K, V)."""
+def check_shapes(batch: AcceptanceBatch) -> None:
+    """Metadata-only checks (no device sync)."""
+    target_logits = batch.target_logits
     _check(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor")
     _check(
         target_logits.dim() == 3 and target_logits.shape[1] >= 1 and target_logits.shape[2] >= 1,
@@ -79,47 +91,39 @@ def check_shapes(
     )
     b, k1, v = target_logits.shape
     k, dev = k1 - 1, target_logits.device
-    _check_tensor("draft_token_ids", draft_token_ids, (b, k), _INT_DTYPES, dev)
-    _check_tensor("num_draft_tokens", num_draft_tokens, (b,), _INT_DTYPES, dev)
-    _check_tensor("relax_mask", relax_mask, (b, k), (torch.bool,), dev)
-    _check_tensor("temperature", temperature, (b,), None, dev)
-    _check_tensor("relax_ratio", relax_ratio, (b,), None, dev)
-    _check_tensor("relax_top_k", relax_top_k, (b,), _INT_DTYPES, dev)
-    _check_tensor("relax_delta", relax_delta, (b,), None, dev)
-    if draft_probs is not None:
-        _check_tensor("draft_probs", draft_probs, (b, k, v), None, dev)
-    if seeds is not None:
-        _check_tensor("seeds", seeds, (b,), (torch.int64,), dev)
-    return b, k, v
+    _check_tensor("draft_token_ids", batch.draft_token_ids, (b, k), _INT_DTYPES, dev)
+    _check_tensor("num_draft_tokens", batch.num_draft_tokens, (b,), _INT_DTYPES, dev)
+    _check_tensor("relax_mask", batch.relax_mask, (b, k), (torch.bool,), dev)
+    _check_tensor("temperature", batch.temperature, (b,), None, dev)
+    _check_tensor("relax_ratio", batch.relax_ratio, (b,), None, dev)
+    _check_tensor("relax_top_k", batch.relax_top_k, (b,), _INT_DTYPES, dev)
+    _check_tensor("relax_delta", batch.relax_delta, (b,), None, dev)
+    if batch.draft_probs is not None:
+        _check_tensor("draft_probs", batch.draft_probs, (b, k, v), None, dev)
+    if batch.seeds is not None:
+        _check_tensor("seeds", batch.seeds, (b,), (torch.int64,), dev)
 
 
-def check_values(
-    target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    temperature: torch.Tensor,
-    relax_ratio: torch.Tensor,
-    relax_top_k: torch.Tensor,
-    relax_delta: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-) -> None:
+def check_values(batch: AcceptanceBatch) -> None:
     """Value checks; these sync with the device. Padding rows and positions are not inspected."""
-    b, k1, v = target_logits.shape
-    k = k1 - 1
-    n = num_draft_tokens.long()
+    target_logits = batch.target_logits
+    b, k, v = batch.dims
+    k1 = k + 1
+    n = batch.num_draft_tokens.long()
     bad = ((n < 0) | (n > k)).nonzero()
     _check(
         bad.numel() == 0,
         f"num_draft_tokens must be in [0, {k}], got {n[bad[:1, 0]].tolist()} at {bad[:1, 0].tolist()}",
     )
-    t = temperature.float()
+    t = batch.temperature.float()
     _check(
         bool((torch.isfinite(t) & (t >= 0)).all()), f"temperature must be finite and >= 0, got {t.tolist()}"
     )
-    r = relax_ratio.float()
+    r = batch.relax_ratio.float()
     _check(bool(((r >= 0) & (r <= 1)).all()), f"relax_ratio must be in [0, 1], got {r.tolist()}")
-    _check(bool((relax_top_k >= 1).all()), f"relax_top_k must be >= 1, got {relax_top_k.tolist()}")
-    dl = relax_delta.float()
+    top_k = batch.relax_top_k
+    _check(bool((top_k >= 1).all()), f"relax_top_k must be >= 1, got {top_k.tolist()}")
+    dl = batch.relax_delta.float()
     _check(
         bool((dl.isnan() | ((dl >= 0) & (dl <= 1))).all()),
         f"relax_delta must be in [0, 1] or NaN (unset), got {dl.tolist()}",
@@ -127,7 +131,7 @@ def check_values(
     pos = torch.arange(k1, device=target_logits.device)
     used_rows = pos[None, :] <= n[:, None]  # [B, K+1]
     used_pos = pos[None, :k] < n[:, None]  # [B, K]
-    ids = draft_token_ids.long()
+    ids = batch.draft_token_ids.long()
     bad = (used_pos & ((ids < 0) | (ids >= v))).nonzero()
     _check(
         bad.numel() == 0,
@@ -140,9 +144,11 @@ def check_values(
         not bool((rows == float("-inf")).all(-1).any()),
         "target_logits has a used row that is all -inf (no token can be emitted)",
     )
-    if draft_probs is not None:
-        q = draft_probs[used_pos]  # [R', V]
+    if batch.draft_probs is not None:
+        q = batch.draft_probs[used_pos]  # [R', V]
         _check(
             bool((torch.isfinite(q) & (q >= 0)).all()),
             "draft_probs must be finite and >= 0 at used positions",
         )
+    if batch.all_greedy and bool((batch.temperature != 0).any()):
+        raise ValueError("all_greedy=True but some temperature is not 0")

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thinkspec.sampling.rejection_common import RejectionResult, check_shapes, check_values
+from thinkspec.sampling.rejection_common import AcceptanceBatch, RejectionResult, check_values
 
 # Vocabulary tile per program: large enough to keep many loads in flight per program, small enough
 # that B*(K+1) rows x V/TILE tiles fill every SM several times over.
@@ -454,49 +454,30 @@ def _p2(n: int) -> int:
 
 
 def rejection_sample_triton(
-    target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    relax_mask: torch.Tensor,
-    temperature: torch.Tensor,
-    relax_ratio: torch.Tensor,
-    relax_top_k: torch.Tensor,
-    relax_delta: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    seeds: torch.Tensor | None = None,
-    seed_offset: int = 0,
-    all_greedy: bool | None = None,
-    validate: bool = False,
+    batch: AcceptanceBatch, generator: torch.Generator | None = None, *, validate: bool = False
 ) -> RejectionResult:
-    """Kernel version of `rejection_sample_reference`; shapes as in `rejection_common`.
+    """Kernel version of `rejection_sample_reference`; inputs as documented on `AcceptanceBatch`.
 
-    Accepts bf16, fp16 and fp32 logits (computed in fp32). `all_greedy=True` promises every
+    Accepts bf16, fp16 and fp32 logits (computed in fp32). `batch.all_greedy=True` promises every
     temperature is 0 and skips the sampling launches. With `validate=True` the values are checked
     as the reference checks them (one sync); otherwise they are trusted.
     """
-    b, k, v = check_shapes(
-        target_logits, draft_token_ids, num_draft_tokens, relax_mask, temperature, relax_ratio,
-        relax_top_k, relax_delta, draft_probs, seeds,
-    )  # fmt: skip
     if validate:
-        check_values(
-            target_logits, draft_token_ids, num_draft_tokens, temperature, relax_ratio, relax_top_k,
-            relax_delta, draft_probs,
-        )  # fmt: skip
-        if all_greedy and bool((temperature != 0).any()):
-            raise ValueError("all_greedy=True but some temperature is not 0")
+        check_values(batch)
+    b, k, v = batch.dims
+    all_greedy, seed_offset = batch.all_greedy, batch.seed_offset
+    target_logits, draft_probs = batch.target_logits, batch.draft_probs
     dev = target_logits.device
     logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
-    drafts = draft_token_ids.to(torch.int64).contiguous()
-    ndraft = num_draft_tokens.to(torch.int64).contiguous()
-    mask = relax_mask.contiguous().view(torch.uint8)
-    temp = temperature.to(torch.float32).contiguous()
-    ratio = relax_ratio.to(torch.float32).contiguous()
-    top_k = relax_top_k.to(torch.int64).contiguous()
-    delta = relax_delta.to(torch.float32).contiguous()
+    drafts = batch.draft_token_ids.to(torch.int64).contiguous()
+    ndraft = batch.num_draft_tokens.to(torch.int64).contiguous()
+    mask = batch.relax_mask.contiguous().view(torch.uint8)
+    temp = batch.temperature.to(torch.float32).contiguous()
+    ratio = batch.relax_ratio.to(torch.float32).contiguous()
+    top_k = batch.relax_top_k.to(torch.int64).contiguous()
+    delta = batch.relax_delta.to(torch.float32).contiguous()
     q = draft_probs.contiguous() if draft_probs is not None else logits  # dummy pointer when absent
+    seeds = batch.seeds
     if seeds is None:
         if all_greedy:
             seeds = ndraft  # any [B] int64: greedy decisions draw no randomness
