@@ -109,6 +109,59 @@ def test_serve_reports_a_missing_model(capsys):
     assert "thinkspec serve: error:" in capsys.readouterr().err
 
 
+def test_serve_on_a_taken_port_fails_before_loading(capsys, monkeypatch):
+    import socket
+    import time
+
+    import thinkspec.llm
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded though the port is taken")
+
+    monkeypatch.setattr(thinkspec.llm, "build_llm_engine", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", "toy-reasoner", "--device", "cpu", "--port", str(port)]) == 2
+        assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+
+
+def test_serve_holds_its_port_from_before_loading(capsys, monkeypatch):
+    """The port is bound before the model loads and the same socket is what uvicorn serves on."""
+    import socket
+
+    import thinkspec.llm
+
+    seen = {}
+
+    def probe(*args, **kwargs):
+        with socket.socket() as other, pytest.raises(OSError):
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", seen["port"]))
+        seen["probed"] = True
+        raise ValueError("stop here")
+
+    from thinkspec.entrypoints.openai import server
+
+    real = server.listen_socket
+
+    def listen(host, port):
+        sock = real(host, port)
+        seen["port"] = sock.getsockname()[1]
+        return sock
+
+    monkeypatch.setattr(thinkspec.llm, "build_llm_engine", probe)
+    monkeypatch.setattr(server, "listen_socket", listen)
+    assert main(["serve", "toy-reasoner", "--device", "cpu", "--port", "0"]) == 2
+    assert seen.get("probed") and "stop here" in capsys.readouterr().err
+    with socket.socket() as again:  # released after the failure
+        again.bind(("127.0.0.1", seen["port"]))
+
+
 @pytest.fixture(scope="module")
 def ckpt():
     return str(tiny_checkpoint("qwen3", tied=True))

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
@@ -342,6 +344,38 @@ class _DrainingServer:
         return Server(config)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, held from before the model loads until uvicorn serves on
+    it; OSError naming --port when the port is taken. SO_REUSEADDR (as uvicorn sets it) lets a
+    restart bind past the last run's TIME_WAIT connections; on Linux it never lets two sockets
+    listen on one port, so listening at once holds the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}); is another server using it? "
+            "Choose another port with --port"
+        ) from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def _log_speculation(config: Any) -> None:
+    """One start-up line naming the draft and the speculation settings (those not at their default)."""
+    spec = config.speculative_config
+    if spec is None:
+        logger.info("speculative decoding: off")
+        return
+    defaults = type(spec)().to_dict()
+    settings = {k: v for k, v in spec.to_dict().items() if v != defaults[k]}
+    logger.info("speculative decoding: %s", json.dumps(settings))
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`thinkspec serve`: build the engine from the engine flags, serve until interrupted."""
     import logging
@@ -353,12 +387,17 @@ def run_server(args: argparse.Namespace) -> int:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sock = None
     try:
         _check_server_args(args)
+        sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails fast
         llm_engine = build_llm_engine(EngineArgs(**engine_kwargs(args)))
     except (ValueError, FileNotFoundError, OSError) as e:
+        if sock is not None:
+            sock.close()
         print(f"thinkspec serve: error: {e}", file=sys.stderr)
         return 2
+    _log_speculation(llm_engine.config)
     if args.max_tokens_limit is not None and args.max_tokens_limit > llm_engine.max_model_len:
         print(
             f"thinkspec serve: error: --max-tokens-limit {args.max_tokens_limit} exceeds max_model_len "
@@ -387,11 +426,13 @@ def run_server(args: argparse.Namespace) -> int:
             loopback_only=is_loopback(args.host),
             drain=drain,
         )
-        logger.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+        port = sock.getsockname()[1]  # the one the system chose for --port 0
+        logger.info("serving %s on http://%s:%d", config.served_model_name, args.host, port)
         uv_config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
+            app, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=5
         )
-        _DrainingServer.make(uv_config, engine, drain, args.shutdown_timeout).run()
+        _DrainingServer.make(uv_config, engine, drain, args.shutdown_timeout).run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
     return 0
