@@ -8,6 +8,7 @@ import torch
 from checkpoints import tiny_checkpoint
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.factory import target_graph_widths
 from thinkspec.spec_decode import step_costs
@@ -287,11 +288,14 @@ def test_engine_probes_out_of_plain_decoding_with_a_few_rows(monkeypatch):
 
     monkeypatch.setattr(draft_length, "PLAIN_PROBE_PERIOD", 8)
     target = tiny_checkpoint("qwen3", tied=True)
-    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_rate": 0.0,
-           "adaptive_k": True}  # fmt: skip
+    # a draft of other weights: the steering rejects a draft by pushing it below its row's best token,
+    # so a draft that is the target's own choice (a draft of the same weights) would change the output
+    draft = tiny_checkpoint("qwen3", tied=True, seed=1)
+    cfg = {"model": str(draft), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(target, device="cpu", speculative_config=cfg)
+    install_synthetic_acceptance(llm, rate=0.0)
     spec = llm.llm_engine.speculator
-    spec.draft_length.observe_time = lambda *args: None  # device model only
+    spec.planner.draft_length.observe_time = lambda *args: None  # device model only
     drafting = []  # rows drafting, per step
     observe = SpecDecodeMetrics.observe_draft_lengths
 
@@ -411,7 +415,7 @@ def test_the_chooser_learns_while_the_device_runs_the_next_step(monkeypatch):
     events = []
     policy.observe = lambda groups, nd, accepted: events.append("accept")
     policy.observe_time = lambda ks, ms, context=0: events.append("time")
-    spec.draft_length = policy
+    spec.planner.draft_length = policy
 
     def logging(name, fn):
         return lambda *a, **kw: (events.append(name), fn(*a, **kw))[1]
@@ -483,13 +487,13 @@ def test_engine_chooses_by_acceptance(rate, max_tokens):
     """End to end on CPU: the acceptance the engine sees drives the choice. Drafts never accepted
     turn speculation off (plain steps), drafts always accepted get the full K."""
     target = tiny_checkpoint("qwen3", tied=True)
-    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_rate": rate,
-           "adaptive_k": True}  # fmt: skip
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(target, device="cpu", speculative_config=cfg)
+    install_synthetic_acceptance(llm, rate=rate)
     # On a CPU the toy's speculative step may well cost more than the tokens it saves: the default
     # device model alone decides here, the learned host overhead is left out.
     timings = []
-    llm.llm_engine.speculator.draft_length.observe_time = lambda *sample: timings.append(sample)
+    llm.llm_engine.speculator.planner.draft_length.observe_time = lambda *sample: timings.append(sample)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
@@ -520,10 +524,10 @@ def test_engine_chooses_per_phase_group(monkeypatch):
     monkeypatch.setattr(draft_length, "SPREAD_MIN_LEFT", 10**9)
     target = tiny_checkpoint("qwen3", tied=True)
     profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 100}
-    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile,
-           "adaptive_k": True}  # fmt: skip
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(target, device="cpu", speculative_config=cfg)
-    llm.llm_engine.speculator.draft_length.observe_time = lambda *args: None  # device model only
+    install_synthetic_acceptance(llm, profile=profile)
+    llm.llm_engine.speculator.planner.draft_length.observe_time = lambda *args: None  # device model only
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
     m = llm.last_spec_metrics
@@ -541,7 +545,7 @@ def test_forced_k_is_capped_by_the_room_left():
     target = tiny_checkpoint("qwen3", tied=True)
     cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(target, device="cpu", max_model_len=23, speculative_config=cfg)
-    llm.llm_engine.speculator.draft_length = ForcedDraftLength.fixed(K, K)
+    llm.llm_engine.speculator.planner.draft_length = ForcedDraftLength.fixed(K, K)
     plain = LLM(target, device="cpu", max_model_len=23)
     prompts = [[72, 105, 33], [65, 66, 67, 68]]
     for sp in (SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
@@ -564,7 +568,7 @@ def test_adaptive_plain_steps_run_ahead_with_async_scheduling(caplog):
     llm = LLM(target, device="cpu", async_scheduling=True, speculative_config=cfg)
     engine = llm.llm_engine
     assert engine.async_scheduling
-    engine.speculator.draft_length = ForcedDraftLength(
+    engine.speculator.planner.draft_length = ForcedDraftLength(
         K, lambda step, counts: np.full(3, 2 * ((step // 3) % 2))
     )
     launches = []
@@ -607,7 +611,7 @@ def test_adaptive_greedy_on_cuda_equals_plain_on_the_toy_pair(policy):
     cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
     spec = LLM(TOY_MODELS["toy-reasoner"], speculative_config=cfg, **common)
     if policy == "forced":
-        spec.llm_engine.speculator.draft_length = ForcedDraftLength(
+        spec.llm_engine.speculator.planner.draft_length = ForcedDraftLength(
             K, lambda step, counts: np.array([(step + 2 * g) % (K + 1) for g in range(len(GROUPS))])
         )
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
@@ -629,8 +633,8 @@ def test_cost_model_measured_from_graph_replays_writes_no_kv():
     sp = SamplingParams(temperature=0, max_tokens=40)
     first = llm.generate(["Sam has 3 apples."], sp, use_tqdm=False)[0].outputs[0].token_ids
     kv = [r.kv_cache.clone() for r in (spec.target_runner, spec.draft_runner)]
-    spec.measure_costs(4)
-    costs = spec.draft_length.costs
+    spec.planner.measure_costs(4)
+    costs = spec.planner.draft_length.costs
     assert sorted(costs.costs) == [1, 2, 4]
     for rows in costs.costs.values():
         assert [r.k for r in rows] == list(range(K + 1))
@@ -793,7 +797,7 @@ def test_engine_samples_the_switch_at_the_first_drafting_step_after_plain_steps(
     policy.choose = choosing
     policy.observe_time = lambda ks, ms, context=0: log.append(("steady", _kmax(ks)))
     policy.observe_switch = lambda ks, ms, context=0: log.append(("switch", _kmax(ks)))
-    spec.draft_length = policy
+    spec.planner.draft_length = policy
     prompts = [[72, 105, 33], [65, 66]]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -819,14 +823,14 @@ def test_a_step_that_compiled_is_no_timing_sample():
         log = []
         policy.observe_time = policy.observe_switch = lambda ks, ms, context=0: log.append(ms)
         spec = llm.llm_engine.speculator
-        spec.draft_length = policy
+        spec.planner.draft_length = policy
         calls = [0]
 
         def count() -> int:  # the compile count as the engine reads it: 1 from the compile_at-th read
             calls[0] += 1
             return int(compile_at is not None and calls[0] >= compile_at)
 
-        spec._compile_count = count  # on CUDA, the count of thinkspec.engine.compiles
+        spec.planner.inputs.compile_count = count  # on CUDA, the count of thinkspec.engine.compiles
         sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         llm.generate([[72, 105, 33], [65, 66]], sp, use_tqdm=False)
         return len(log)
@@ -850,7 +854,7 @@ def test_a_few_drafting_rows_catch_up_alone():
     samples = []
     policy.observe_time = lambda ks, ms, context=0: samples.append("steady")
     policy.observe_switch = lambda ks, ms, context=0: samples.append("switch")
-    spec.draft_length = policy
+    spec.planner.draft_length = policy
     fed = []  # tokens per row of every catch-up forward (forward 1)
     runner = spec.proposer.runner
     execute = runner.execute_model
@@ -992,16 +996,12 @@ def test_engine_weighs_rows_by_what_they_have_left_only_while_no_request_waits(m
     """A closed batch drains: the chooser gets each group's rows weighted by their tokens left. With a
     request waiting for a slot it gets none (every row counts alike: its slot is refilled)."""
     target = tiny_checkpoint("qwen3", tied=True)
-    cfg = {
-        "model": str(target),
-        "num_speculative_tokens": K,
-        "synthetic_acceptance_rate": 0.5,
-        "adaptive_k": True,
-    }
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
     seen = []
     for max_num_seqs, n in ((2, 2), (1, 2)):
         llm = LLM(target, device="cpu", speculative_config=cfg, max_num_seqs=max_num_seqs)
-        chooser = llm.llm_engine.speculator.draft_length
+        install_synthetic_acceptance(llm, rate=0.5)
+        chooser = llm.llm_engine.speculator.planner.draft_length
         real = chooser.choose
         seen.clear()
 
@@ -1029,29 +1029,29 @@ def _plain_streak_run(monkeypatch, reuse: int, async_scheduling: bool, n: int = 
     plain decoding every 16th choice. Returns (outputs, each finished request's counters as its
     output first gave them, the speculator, the chooser's timing samples without their wall time,
     _choose's calls)."""
-    from thinkspec.engine.speculator import Speculator
     from thinkspec.spec_decode import draft_length
+    from thinkspec.spec_decode.planner import DraftPlanner
 
     monkeypatch.setattr(draft_length, "PLAIN_PROBE_PERIOD", 16)
     target = tiny_checkpoint("qwen3", tied=True)
     profile = {"thinking": [0.0] * K, "answer": [0.0] * K, "thinking_tokens": _THINK}
-    cfg = {"model": str(target), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile,
-           "adaptive_k": True}  # fmt: skip
+    cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(
         target, device="cpu", async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
         speculative_config=cfg,
     )  # fmt: skip
+    install_synthetic_acceptance(llm, profile=profile)
     engine = llm.llm_engine
     spec = engine.speculator
-    spec.reuse_streaks = bool(reuse)
-    chooser = spec.draft_length
+    spec.planner.reuse_streaks = bool(reuse)
+    chooser = spec.planner.draft_length
     chooser.trace = []
     samples = []  # device model only: the wall times differ from run to run
     chooser.observe_time = lambda ks, ms, context: samples.append((_rows(ks), context))
     chooser.observe_switch = lambda ks, ms, context: samples.append(("switch", _rows(ks), context))
     calls = []
-    choose = Speculator._choose
-    monkeypatch.setattr(Speculator, "_choose", lambda self, *a: calls.append(1) or choose(self, *a))
+    choose = DraftPlanner._choose
+    monkeypatch.setattr(DraftPlanner, "_choose", lambda self, *a: calls.append(1) or choose(self, *a))
     first_read = {}  # request id -> its counters when its finished output was made
     make_output = engine.make_output
 
@@ -1084,15 +1084,15 @@ def test_plain_streaks_reuse_the_choice_as_a_fresh_pass_would_make_it(
     assert calls_b < 0.7 * calls_a  # most plain steps reused the choice
     assert [o.outputs[0].token_ids for o in outs_a] == [o.outputs[0].token_ids for o in outs_b]
     assert samples_a == samples_b and len(samples_a) > 50
-    trace_a, trace_b = spec_a.draft_length.trace, spec_b.draft_length.trace
+    trace_a, trace_b = spec_a.planner.draft_length.trace, spec_b.planner.draft_length.trace
     assert [(t["choice"], t["counts"], t["ks"], t["context"]) for t in trace_a] == [
         (t["choice"], t["counts"], t["ks"], t["context"]) for t in trace_b
     ]
-    assert spec_a.draft_length.num_choices == spec_b.draft_length.num_choices
+    assert spec_a.planner.draft_length.num_choices == spec_b.planner.draft_length.num_choices
     assert spec_a.metrics.to_dict() == spec_b.metrics.to_dict()
     assert spec_b.metrics.total.num_draft_tokens > 0  # probes drafted
     assert read_a == read_b and len(read_b) == len(outs_b)
-    assert spec_b._streak is None  # idle: the engine let go of the streak's rows
+    assert spec_b.planner._streak is None  # idle: the engine let go of the streak's rows
     for out in outs_b:
         assert read_b[out.request_id] == out.metrics.spec_decode.to_dict()  # complete when first read
         # every decode step emitted one token (nothing is accepted): the request's first token came
@@ -1153,10 +1153,10 @@ def test_a_streak_is_left_when_a_row_stops_decoding():
     target = tiny_checkpoint("qwen3", tied=True)
     cfg = {"model": str(target), "num_speculative_tokens": K, "adaptive_k": True}
     spec = LLM(target, device="cpu", speculative_config=cfg).llm_engine.speculator
-    spec.draft_length.estimates.rates[:] = 0.0  # plain steps
+    spec.planner.draft_length.estimates.rates[:] = 0.0  # plain steps
     # device model only: the time between these plan calls (a loaded host's) is no step's, and a large
     # learned plain overhead against unmeasured drafting ones could make drafting look cheaper
-    spec.draft_length.observe_time = lambda *args: None
+    spec.planner.draft_length.observe_time = lambda *args: None
     seqs = []
     for i in range(3):
         seq = Sequence(str(i), [1, 2, 3], SamplingParams(temperature=0, max_tokens=64))
@@ -1164,17 +1164,17 @@ def test_a_streak_is_left_when_a_row_stops_decoding():
         seq.num_computed_tokens = seq.num_tokens - 1
         seqs.append(seq)
     calls = []
-    choose = spec._choose
-    spec._choose = lambda *a: calls.append(1) or choose(*a)
-    assert spec.plan(seqs, [1, 1, 1], [True] * 3)
-    spec.record_plan()
-    assert spec.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 1  # reused
-    spec.record_plan()
-    assert not spec.plan(seqs, [1, 4, 1], [True] * 3) and len(calls) == 2
-    spec.record_plan()
-    assert spec.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 3  # a new streak
-    spec.record_plan()
-    assert not spec.plan(seqs, [1, 1, 1], [True, False, True]) and len(calls) == 4
+    choose = spec.planner._choose
+    spec.planner._choose = lambda *a: calls.append(1) or choose(*a)
+    assert spec.planner.plan(seqs, [1, 1, 1], [True] * 3)
+    spec.planner.record_plan()
+    assert spec.planner.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 1  # reused
+    spec.planner.record_plan()
+    assert not spec.planner.plan(seqs, [1, 4, 1], [True] * 3) and len(calls) == 2
+    spec.planner.record_plan()
+    assert spec.planner.plan(seqs, [1, 1, 1], [True] * 3) and len(calls) == 3  # a new streak
+    spec.planner.record_plan()
+    assert not spec.planner.plan(seqs, [1, 1, 1], [True, False, True]) and len(calls) == 4
 
 
 def test_a_plain_steps_sample_given_as_its_rows_learns_what_its_draft_lengths_would():

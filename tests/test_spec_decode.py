@@ -13,6 +13,7 @@ from checkpoints import END_THINK_ID, THINK_ID, build_tokenizer, hf_logits, nois
 from scipy.stats import chisquare
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.spec_decode.draft_length import GROUPS, AdaptiveDraftLength, ForcedDraftLength
 from thinkspec.spec_decode.proposer import Proposal
 
@@ -104,8 +105,8 @@ def _apply_policy(llm: LLM, policy: str) -> None:
     """Install the forced chooser (the engine was built with adaptive_k for it)."""
     spec = llm.llm_engine.speculator
     if policy == "forced":
-        spec.draft_length = ForcedDraftLength(spec.k, _varying_k)
-    assert isinstance(spec.draft_length, {"fixed": type(None), "adaptive": AdaptiveDraftLength,
+        spec.planner.draft_length = ForcedDraftLength(spec.k, _varying_k)
+    assert isinstance(spec.planner.draft_length, {"fixed": type(None), "adaptive": AdaptiveDraftLength,
                                           "forced": ForcedDraftLength}[policy])  # fmt: skip
 
 
@@ -494,7 +495,7 @@ def test_adaptive_relaxed_with_k_forced_to_K_equals_fixed_k(target, draft):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     fixed = _relaxed_llm(target, draft, "fixed")
     forced = _relaxed_llm(target, draft, "adaptive")
-    forced.llm_engine.speculator.draft_length = ForcedDraftLength.fixed(K, K)
+    forced.llm_engine.speculator.planner.draft_length = ForcedDraftLength.fixed(K, K)
     want = fixed.generate(prompts, sp, use_tqdm=False)
     got = forced.generate(prompts, sp, use_tqdm=False)
     assert _tokens(got) == _tokens(want)
@@ -691,8 +692,10 @@ def test_per_request_relaxation_overrides(target, draft):
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_synthetic_acceptance_rate(target, draft, rate):
-    cfg = {"model": str(draft), "num_speculative_tokens": K, "synthetic_acceptance_rate": rate}
-    llm = LLM(target, device="cpu", speculative_config=cfg)
+    """The engine's own acceptance, steered by the synthetic draws (bench/synthetic.py), accepts every
+    draft at rate 1 and none at 0."""
+    llm = LLM(target, device="cpu", speculative_config={"model": str(draft), "num_speculative_tokens": K})
+    install_synthetic_acceptance(llm, rate=rate)
     llm.generate(
         [[72, 105, 33]] * 3, SamplingParams(temperature=0, max_tokens=41, ignore_eos=True), use_tqdm=False
     )
@@ -700,6 +703,21 @@ def test_synthetic_acceptance_rate(target, draft, rate):
     assert m.num_drafts > 0
     assert m.num_accepted_tokens == (m.num_draft_tokens if rate == 1.0 else 0)
     assert llm.last_spec_metrics.mean_acceptance_length() == (K + 1 if rate == 1.0 else 1.0)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_synthetic_acceptance_steers_host_drafts_too(target, rate):
+    """n-gram drafts reach the target as host inputs (no device_inputs): the steering finds them there.
+    A repeating prompt gives the n-gram proposer drafts to make."""
+    cfg = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(target, device="cpu", speculative_config=cfg)
+    install_synthetic_acceptance(llm, rate=rate)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], sp, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 30
+    m = llm.last_spec_metrics.total
+    assert m.num_draft_tokens > 0
+    assert m.num_accepted_tokens == (m.num_draft_tokens if rate == 1.0 else 0)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -751,8 +769,8 @@ def test_lossless_greedy_on_cuda(dtype, method, target, draft):
 def test_synthetic_acceptance_profile_per_phase(target, draft):
     """Thinking rows (the first 13 output tokens) accept every draft, answer rows none."""
     profile = {"thinking": [1.0] * K, "answer": [0.0] * K, "thinking_tokens": 13}
-    cfg = {"model": str(draft), "num_speculative_tokens": K, "synthetic_acceptance_profile": profile}
-    llm = LLM(target, device="cpu", speculative_config=cfg)
+    llm = LLM(target, device="cpu", speculative_config={"model": str(draft), "num_speculative_tokens": K})
+    install_synthetic_acceptance(llm, profile=profile)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     out = llm.generate([[72, 105, 33]], sp, use_tqdm=False)
     m = llm.last_spec_metrics.total
@@ -761,20 +779,25 @@ def test_synthetic_acceptance_profile_per_phase(target, draft):
     assert m.num_drafts == 3 + (30 - 16 - 1)
     assert m.num_accepted_tokens == 3 * K
     assert len(out[0].outputs[0].token_ids) == 30
+    by_phase = llm.last_spec_metrics  # the profile's phases, as the metrics counted them
+    assert by_phase.thinking.num_drafts == 3 and by_phase.answer.num_drafts == 30 - 16 - 1
     with pytest.raises(ValueError, match="non-increasing"):
-        bad = {**profile, "answer": [0, 1, 0, 0]}
-        LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+        install_synthetic_acceptance(llm, profile={**profile, "answer": [0, 1, 0, 0]})
     for seed in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match=r"profile\['seed'\] must be a non-negative integer"):
-            bad = {**profile, "seed": seed}
-            LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+            install_synthetic_acceptance(llm, profile={**profile, "seed": seed})
     with pytest.raises(ValueError, match="seed optional"):
-        bad = {**profile, "x": 1}
-        LLM(target, device="cpu", speculative_config={**cfg, "synthetic_acceptance_profile": bad})
+        install_synthetic_acceptance(llm, profile={**profile, "x": 1})
+    with pytest.raises(ValueError, match=r"install_synthetic_acceptance\.rate must be a float in \[0, 1\]"):
+        install_synthetic_acceptance(llm, rate=1.5)
+    with pytest.raises(ValueError, match="profile excludes rate"):
+        install_synthetic_acceptance(llm, rate=0.5, profile=profile)
+    with pytest.raises(ValueError, match="rate needs a speculative method"):
+        install_synthetic_acceptance(LLM(target, device="cpu"), rate=0.5)
 
 
 def test_seeded_synthetic_draws_depend_on_request_and_output_position_only():
-    from thinkspec.engine.speculator import synthetic_uniforms
+    from thinkspec.bench.synthetic import synthetic_uniforms
 
     keys = np.array([3, 3, 99], dtype=np.uint64)
     u = synthetic_uniforms(keys, np.array([5, 5, 5], dtype=np.uint64), 4, seed=7)  # [3, 4]
@@ -790,28 +813,29 @@ def test_seeded_synthetic_draws_depend_on_request_and_output_position_only():
 
 def _seeded_verdicts(target, draft, k: int, rate: float, seed: int, monkeypatch) -> tuple[dict, float]:
     """Run 4 prompts with a seeded constant-rate profile drafting k: ({(prompt, output position):
-    accepted} for every draft the runs tried, share of first drafts accepted)."""
+    accepted} for every draft the runs tried, share of first drafts accepted), as the engine's own
+    acceptance decided them (each step's outcomes)."""
     from thinkspec.engine import speculator as spec_mod
 
     profile = {"thinking": [rate ** (i + 1) for i in range(k)], "answer": [0.0] * k, "thinking_tokens": 1000,
                "seed": seed}  # fmt: skip
-    cfg = {"model": str(draft), "num_speculative_tokens": k, "synthetic_acceptance_profile": profile}
-    llm = LLM(target, device="cpu", speculative_config=cfg)
+    llm = LLM(target, device="cpu", speculative_config={"model": str(draft), "num_speculative_tokens": k})
+    install_synthetic_acceptance(llm, profile=profile)
     verdicts: dict = {}
     firsts = []
-    original = spec_mod.Speculator._synthetic
+    original = spec_mod.Speculator._outcomes
 
-    def spy(self, result, target_logits, drafts, num_drafts, thinking, seqs):
-        out = original(self, result, target_logits, drafts, num_drafts, thinking, seqs)
-        for s, n, a in zip(seqs, num_drafts.tolist(), out.num_accepted.tolist()):
+    def spy(self, sched, sample_mask, batch, proposal, host):
+        seqs = [sched.seqs[i] for i in batch.spec_index]
+        for s, n, a in zip(seqs, batch.num_drafts, host.num_accepted.tolist()):
             prompt = tuple(s.prompt_token_ids)
             for j in range(min(a + 1, n)):  # tried: every accepted draft and the first rejected
                 verdicts[(prompt, s.num_output_tokens + j)] = j < a
             if n > 0:
                 firsts.append(a > 0)
-        return out
+        return original(self, sched, sample_mask, batch, proposal, host)
 
-    monkeypatch.setattr(spec_mod.Speculator, "_synthetic", spy)
+    monkeypatch.setattr(spec_mod.Speculator, "_outcomes", spy)
     prompts = [[72, 105, 33], [5, 6, 7, 8], [40, 41], [9, 90, 19, 91, 29]]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), use_tqdm=False)
     monkeypatch.undo()
@@ -835,7 +859,7 @@ def test_seeded_synthetic_acceptance_is_common_to_every_draft_length(target, dra
 
 
 def test_verify_windows_are_a_view_when_they_cover_the_logits_in_order():
-    from thinkspec.engine.speculator import _windows_of
+    from thinkspec.engine.verify_batch import windows_of as _windows_of
 
     logits = torch.randn(13, 7)
     full = np.arange(12).reshape(3, 4)  # every sequence speculating with the full window

@@ -178,7 +178,8 @@ def test_capture_graphs_covers_every_bucket_up_to_the_batch_at_every_width():
 
     target, draft = SimpleNamespace(graphs=Cache()), SimpleNamespace(graphs=Cache())
     measured: list[int] = []  # adaptive_k's cost model is measured up to the same batch
-    speculator = SimpleNamespace(proposer=SimpleNamespace(runner=draft), measure_costs=measured.append)
+    planner = SimpleNamespace(measure_costs=measured.append)
+    speculator = SimpleNamespace(proposer=SimpleNamespace(runner=draft), planner=planner)
     llm = SimpleNamespace(llm_engine=SimpleNamespace(model_runner=target, speculator=speculator))
     assert capture_graphs(llm, 20) == 2 * 3 * 6  # buckets 1..24 (24 holds 20 rows) x 3 widths x 2 runners
     assert measured == [20]

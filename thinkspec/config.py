@@ -104,17 +104,6 @@ class SpeculativeConfig:
       (see docs/ACCEPTANCE.md); engine defaults, overridable per request.
     - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
       its markers, or without a parser (both given) define a generic one.
-    - synthetic_acceptance_rate: BENCHMARK TOOL ONLY. Each draft is accepted with this
-      probability whatever the models say (the emitted token after the run is the target's
-      argmax), so speed can be measured at a chosen acceptance length on random weights. Outputs
-      are not the model's; never use it to generate text. In [0, 1]; None = off.
-    - synthetic_acceptance_profile: BENCHMARK TOOL ONLY, as synthetic_acceptance_rate but per
-      phase and draft position: {"thinking": [a_0 .. a_{k-1}], "answer": [...], "thinking_tokens": N},
-      a_i the share of rounds whose draft i is accepted (non-increasing in i, in [0, 1]); a request
-      is thinking for its first N output tokens; an optional "seed" (int >= 0) draws each
-      acceptance from a hash of (seed, prompt, output position) rather than the engine's generator, so
-      settings compared on the same prompts meet the same hard tokens. Excludes
-      synthetic_acceptance_rate.
     """
 
     method: str | None = None
@@ -129,12 +118,22 @@ class SpeculativeConfig:
     reasoning_parser: str | None = None
     think_start_token: str | None = None
     think_end_token: str | None = None
-    synthetic_acceptance_rate: float | None = None
-    synthetic_acceptance_profile: dict[str, Any] | None = None
     adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         owner = "SpeculativeConfig"
+        self._check_method(owner)
+        self._check_prompt_lookup(owner)
+        _check_bool(owner, "adaptive_k", self.adaptive_k)
+        if self.adaptive_k and self.method is None:
+            raise ValueError(
+                f"{owner}.adaptive_k=True needs a speculative method ({' or '.join(SPEC_METHODS)})"
+            )
+        check_relax_settings(self, owner)
+        self._check_reasoning(owner)
+
+    def _check_method(self, owner: str) -> None:
+        """method, model and num_speculative_tokens, each against the others."""
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         self.model = _check_optional_str(owner, "model", self.model)
@@ -162,23 +161,9 @@ class SpeculativeConfig:
             raise ValueError(f"{owner}.model is required with method='draft_model', got None")
         if self.method == "ngram" and self.model is not None:
             raise ValueError(f"{owner}.model must be None with method='ngram', got {self.model!r}")
-        self._check_prompt_lookup(owner)
-        _check_bool(owner, "adaptive_k", self.adaptive_k)
-        if self.adaptive_k and self.method is None:
-            raise ValueError(
-                f"{owner}.adaptive_k=True needs a speculative method ({' or '.join(SPEC_METHODS)})"
-            )
-        if self.synthetic_acceptance_rate is not None:
-            self.synthetic_acceptance_rate = _check_unit_float(
-                owner, "synthetic_acceptance_rate", self.synthetic_acceptance_rate
-            )
-            if self.method is None:
-                raise ValueError(f"{owner}.synthetic_acceptance_rate needs a speculative method")
-        if self.synthetic_acceptance_profile is not None:
-            self._check_synthetic_profile(owner)
 
-        check_relax_settings(self, owner)
-
+    def _check_reasoning(self, owner: str) -> None:
+        """reasoning_parser and the think markers, and what relaxed_thinking needs of them."""
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"{owner}.reasoning_parser must be one of {tuple(REASONING_PARSERS)} or None, "
@@ -209,34 +194,6 @@ class SpeculativeConfig:
             self.build_reasoning_parser()
         except ValueError as exc:
             raise ValueError(f"{owner}: {exc}") from None
-
-    def _check_synthetic_profile(self, owner: str) -> None:
-        name = f"{owner}.synthetic_acceptance_profile"
-        profile = self.synthetic_acceptance_profile
-        if self.method is None or self.synthetic_acceptance_rate is not None:
-            raise ValueError(f"{name} needs a speculative method and excludes synthetic_acceptance_rate")
-        keys = {"thinking", "answer", "thinking_tokens"}
-        if not isinstance(profile, dict) or not keys <= set(profile) <= keys | {"seed"}:
-            allowed = "thinking, answer, thinking_tokens (seed optional)"
-            raise ValueError(f"{name} must be a dict with keys {allowed}, got {profile!r}")
-        seed = profile.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ValueError(f"{name}['seed'] must be a non-negative integer or None, got {seed!r}")
-        k = self.num_speculative_tokens
-        for phase in ("thinking", "answer"):
-            rates = profile[phase]
-            ok = (
-                isinstance(rates, list)
-                and len(rates) == k
-                and all(
-                    isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in rates
-                )
-            )
-            if not ok or any(b > a for a, b in zip(rates, rates[1:])):
-                raise ValueError(
-                    f"{name}[{phase!r}] must be {k} non-increasing shares in [0, 1], got {rates!r}"
-                )
-        _check_int(name, "thinking_tokens", profile["thinking_tokens"], 0, 2**31 - 1)
 
     def _check_prompt_lookup(self, owner: str) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

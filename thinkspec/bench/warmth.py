@@ -58,7 +58,7 @@ def capture_graphs(llm: Any, max_batch: int) -> int:
                 cache.ensure_captured((b, q))
     speculator = llm.llm_engine.speculator
     if speculator is not None:  # adaptive_k times graph replays per bucket the first time it sees one
-        speculator.measure_costs(max_batch)
+        speculator.planner.measure_costs(max_batch)
     return build_counts(llm)["graphs"] - before
 
 

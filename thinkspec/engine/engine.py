@@ -91,7 +91,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by request id
         # adaptive_k's plain steps are the engine's own, so they may be left in flight too.
-        self._adaptive = self.speculator is not None and self.speculator.draft_length is not None
+        self._adaptive = self.speculator is not None and self.speculator.planner.draft_length is not None
         overlap = overlaps(config.async_scheduling, self.device)
         self.async_scheduling = (self.speculator is None or self._adaptive) and overlap
         if self.speculator is not None:  # the next step's first draft forward runs ahead
@@ -251,7 +251,7 @@ class LLMEngine:
         try:
             outputs = self.run_step(finished_only)
             if self._adaptive and not self.scheduler.has_unfinished_requests():
-                self.speculator.forget_last_step()  # idle until the next request: no step's time
+                self.speculator.planner.forget_last_step()  # idle until the next request: no step's time
             return outputs
         except Exception as error:  # noqa: BLE001 - attributed to requests, or re-raised
             return recover_from_step_fault(self, error, finished_only, pending, unfinished)
@@ -278,7 +278,7 @@ class LLMEngine:
             num_lookahead_tokens=spec.k + spec.run_ahead if spec is not None else 0
         )
         if spec is not None:  # adaptive_k: no request waits to take a finished row's place
-            spec.draining = not self.scheduler.waiting
+            spec.planner.draining = not self.scheduler.waiting
         if sched.is_empty:
             if flight is not None:
                 return outputs + self._commit_in_flight(finished_only)
@@ -292,12 +292,12 @@ class LLMEngine:
             # adaptive_k with async scheduling: a step whose rows all draft 0 is the plain step below
             plain = flight is not None or (
                 self._adaptive and self.async_scheduling
-                and spec.plan(sched.seqs, sched.num_new_tokens, sched.sample_mask())
+                and spec.planner.plan(sched.seqs, sched.num_new_tokens, sched.sample_mask())
             )  # fmt: skip
             if not plain:
                 changed = self.scheduler.apply(sched, spec.step(sched))
                 return outputs + self._outputs(changed, finished_only)
-            spec.record_plan()  # the plan's choice: all rows 0, counted as such
+            spec.planner.record_plan()  # the plan's choice: all rows 0, counted as such
         return outputs + self._plain_step(sched, flight, finished_only)
 
     def _runs_ahead(self, flight: InFlight) -> bool:
@@ -312,7 +312,7 @@ class LLMEngine:
         if self.speculator is None:
             return True
         n = len(rows)
-        return self.speculator.plan(rows, [1] * n, [True] * n)
+        return self.speculator.planner.plan(rows, [1] * n, [True] * n)
 
     def settle_in_flight(self, finished_only: bool) -> list[RequestOutput]:
         """Commit a step left in flight, if any (fault recovery starts from committed state)."""
@@ -422,9 +422,9 @@ class LLMEngine:
         parent = self._parents.get(seq.parent_id) if seq.parent_id is not None else None
         seqs = parent.seqs if parent is not None else [seq]
         finished = all(s.is_finished for s in seqs)
-        if self._adaptive:  # counts of plain steps that wait in the speculator (Speculator.settle)
+        if self._adaptive:  # counts of plain steps that wait in the planner (DraftPlanner.settle)
             for s in seqs:
-                self.speculator.settle(s)
+                self.speculator.planner.settle(s)
         metrics = parent.metrics() if parent is not None else seq.metrics
         if parent is not None and finished:
             del self._parents[parent.request_id]
