@@ -1,4 +1,4 @@
-"""No function in the engine, speculative decoding, sampling or entrypoint code runs over 80 lines.
+"""No function in the `thinkspec` package runs over 80 lines.
 
 A function is measured from its `def` line to its last line (decorators left out), nested
 functions on their own as well as inside their parent. Triton kernel modules (`*_triton.py`) are
@@ -12,7 +12,6 @@ from pathlib import Path
 
 MAX_LINES = 80
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thinkspec"
-CHECKED = ("engine", "spec_decode", "sampling", "entrypoints", "bench")
 
 
 def long_functions(root: Path, max_lines: int = MAX_LINES) -> list[str]:
@@ -38,10 +37,12 @@ def test_long_functions_are_found(tmp_path):
         f"@decorator\ndef ok():\n{body}\n\n\nasync def outer():\n    def inner():\n{body}\n        pass\n"
     )
     (tmp_path / "k_triton.py").write_text(f"def kernel():\n{body}\n        pass\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "deep.py").write_text(f"class C:\n    def method(self):\n{body}\n        pass\n")
     names = [line.split()[1] for line in long_functions(tmp_path)]
-    assert names == ["outer", "inner"]  # ok is exactly 80 lines; the kernel module is exempt
+    assert names == ["outer", "inner", "method"]  # ok is exactly 80 lines; the kernel module is exempt
 
 
 def test_no_function_over_80_lines():
-    found = [f"thinkspec/{line}" for sub in CHECKED for line in long_functions(PACKAGE_DIR / sub)]
+    found = long_functions(PACKAGE_DIR)  # every subpackage and the modules directly under thinkspec/
     assert not found, f"functions over {MAX_LINES} lines:\n" + "\n".join(found)
