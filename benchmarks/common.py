@@ -7,13 +7,18 @@ needed. No script imports another script: what two of them need lives here.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from thinkspec import LLM, SamplingParams
 from thinkspec.toy.assets import resolve_model_path
@@ -214,3 +219,71 @@ def graph_us(fn, reps: int = 20) -> float:
     """Median microseconds of one replay of a CUDA graph of fn()."""
     times = replay_us(capture_graph(fn), reps)
     return times[len(times) // 2]
+
+
+# ---- kernel timing against the HBM (the acceptance kernel and its launch-shape sweep) -------------------
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def bench_us(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median time of fn in microseconds."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
+
+
+def back_to_back_us(fn: Callable[[], object], n: int) -> float:
+    """Mean time per call in microseconds of n calls issued back to back (best of 3 runs), as a
+    round issues them: no L2 flush in between, so no dirty flush lines to write back either."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(3):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / n)
+    return best
+
+
+@triton.jit
+def _read_max_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
+    tl.store(out_ptr + tl.program_id(0), tl.max(x.to(tl.float32), 0))
+
+
+def read_max(logits: torch.Tensor) -> torch.Tensor:
+    """A plain streaming read of the logits (max of 8,192-entry tiles), the cost of reading them
+    once with a simple kernel. [R, V] -> [R * V / 8192] float32."""
+    flat = logits.view(-1)
+    out = torch.empty(triton.cdiv(flat.numel(), 8192), dtype=torch.float32, device=logits.device)
+    _read_max_kernel[(out.numel(),)](flat, out, flat.numel(), BLOCK=8192, num_warps=8)
+    return out
+
+
+def copy_bandwidth(warmup: int, rep: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src), warmup, rep)
+    return 2 * n / (us * 1e-6)
+
+
+def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """One CUDA graph per input buffer, replayed in rotation."""
+    graphs = []
+    for call in calls:
+        call()  # compiles and warms up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        graphs.append(g)
+    cycle = itertools.cycle(graphs)
+    return lambda: next(cycle).replay()

@@ -33,21 +33,12 @@
 #               skinny Triton GEMM's launch shapes, the per-step totals at rows 16 and 64, and the
 #               SKINNY_GEMM_TABLE entries it implies (benchmarks/kernels/bench_skinny_gemm.py; SKINNY_ARGS, e.g.
 #               "--rows 16,64 --refine 1")
-#   chain       the batch-64 verify's products on cuBLAS as one CUDA graph: replay time against the kernels' own,
-#               i.e. what the boundaries between cuBLAS launches cost, the same with programmatic edges, and
-#               whether cuBLAS's kernels wait on one (a race test) (benchmarks/kernels/bench_cublas_chain.py; CHAIN_ARGS)
-#   census      the engine's captured graphs, edges by kind: programmatic (PDL) or full launch boundaries, and
-#               what the full ones lead into (benchmarks/engine/graph_census.py; CENSUS_ARGS, e.g. "--batch-sizes 1,64")
 #   attention   decode (and, with --queries 5, verify) attention: Triton launch shapes x contexts x batches,
 #               us per layer (ATTENTION_ARGS, e.g. "--batches 16,64 --queries 1,5 --contexts 256"; with
 #               "--layouts nhd,hnd --repeats 3" the KV blocks head-major as well, side by side)
-#   overlap     drafting ahead during the verify: the verify and the next draft forwards on two CUDA streams
-#               against the serial round, and whether it pays at the thinking profile's acceptance
-#               (benchmarks/speculative/bench_overlap.py; OVERLAP_ARGS, e.g. "--batch-sizes 1 --ks 1,2,4")
 #   tune        launch-shape sweep of the acceptance kernel's stats pass (benchmarks/kernels/tune_acceptance.py)
 #   host        how steady one host core is: fixed Python work timed in chunks, unpinned and pinned
 #               (benchmarks/engine/host_noise.py; HOST_ARGS, default "--seconds 30")
-#   profile     host (cProfile) and device (torch.profiler) time of a toy engine run
 #   step        one 8B-shaped engine step split into host phases and device busy/idle time, for each
 #               "batch[:max_model_len[:mode]]" of STEP_RUNS (default "1 1::sync 16 1:32768"; short
 #               max_model_len when empty; mode sync = async_scheduling off, specK = speculative steps
@@ -164,10 +155,7 @@ if has skinny; then
   record skinny "$rc" "${SKINNY_TIMEOUT:-300}"
 fi
 
-has chain && bench chain kernels/bench_cublas_chain.py 120
-has census && bench census engine/graph_census.py 200
 has attention && bench attention kernels/bench_attention.py 240
-has overlap && bench overlap speculative/bench_overlap.py 300
 
 if has tune; then
   timeout "${TUNE_TIMEOUT:-240}" $PY benchmarks/kernels/tune_acceptance.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 \
@@ -210,13 +198,6 @@ if has step; then
 fi
 
 has host && bench host engine/host_noise.py 150 "--seconds 30"
-
-if has profile; then
-  timeout "${PROFILE_TIMEOUT:-180}" $PY benchmarks/toy/profile_toy.py --device cuda --num-problems 256 \
-    ${PROFILE_ARGS:-} >"$OUT/profile.log" 2>&1
-  rc=$?
-  record profile "$rc" "${PROFILE_TIMEOUT:-180}" "($(head -1 "$OUT/profile.log"))"
-fi
 
 if has drafts; then
   work=/tmp/toy-drafts
@@ -296,7 +277,7 @@ fi
 echo
 echo "==== summary ===="
 cat "$summary"
-for f in host spec_round projection adaptive throughput gemv argmax skinny chain census acceptance step toy_quality sweep tp; do
+for f in host spec_round projection adaptive throughput gemv argmax skinny attention acceptance step toy_quality sweep tp; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; tail -n 16 "$OUT/$f.log"; }
 done
 [ -n "${keep_logs:-}" ] && rm -f "${keep_logs[@]}"

@@ -92,11 +92,11 @@ def test_timed_out_and_failing_benchmarks(tmp_path):
     assert "spec_round: TIMED OUT after 1s" in _summary_section(stdout)
 
 
-@pytest.mark.parametrize("stage", ["adaptive", "overlap", "overhead", "bookkeeping", "chain", "census"])
+@pytest.mark.parametrize("stage", ["adaptive", "overhead", "bookkeeping", "attention", "host"])
 def test_stage_passes_its_args_and_is_time_boxed(tmp_path, stage):
     scripts = {"overhead": "toy/toy_plain_overhead", "bookkeeping": "engine/bench_plain_bookkeeping",
-               "chain": "kernels/bench_cublas_chain", "census": "engine/graph_census",
-               "adaptive": "speculative/bench_adaptive", "overlap": "speculative/bench_overlap"}  # fmt: skip
+               "adaptive": "speculative/bench_adaptive", "attention": "kernels/bench_attention",
+               "host": "engine/host_noise"}  # fmt: skip
     path = scripts[stage]
     script = path.split("/")[-1]
     rc, stdout, summary = _run(tmp_path, stage, **{f"{stage.upper()}_ARGS": "--batch-sizes 1,16 --repeats 1"})

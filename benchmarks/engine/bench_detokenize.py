@@ -4,7 +4,7 @@ of a few tokens) against one tokenizers.decoders.DecodeStream step (thinkspec.en
 The text is toy task samples tokenized by the given tokenizer (the toy reasoner's by default); both
 paths must produce the same text. Each figure is the best of --repeats runs, interleaved.
 
-Usage: python benchmarks/bench_detokenize.py [--tokenizer PATH] [--num-tokens 20000] [--out r.json]
+Usage: python benchmarks/engine/bench_detokenize.py [--tokenizer PATH] [--num-tokens 20000] [--out r.json]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ After each engine: device memory in use (torch reserved + memory held outside to
 utilization x total. Last, a batch-1 decode graph is replayed under torch.profiler: kernel count
 and device time by kernel.
 
-    python benchmarks/bench_graphs.py --out graphs.json
+    python benchmarks/engine/bench_graphs.py --out graphs.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ ever run, the cost model alone would weigh drafting against plain on timings a f
 over R synthetic decode rows whose draft is behind (as after plain steps), every other one thinking.
 No forward runs: this is the host work an adaptive engine adds to each plain step, which a host-bound
 pair (the toy's 0.3 ms steps) cannot hide and whose wall-clock effect the host's own unsteadiness
-buries (docs/BENCHMARKS.md, "Relaxation sweep").
+buries (docs/BENCHMARKS.md, "Toy pair and relaxation sweep").
 
 Modes alternate chunk by chunk, each chunk the same plan/record pair --steps times:
   streak      a plain step over the same rows as the one before reuses the chooser's choice
@@ -16,7 +16,7 @@ Per batch size and mode: median microseconds per step (p10-p90) over --chunks ch
 passes per step (_choose calls) and the rows that drafted per step (probes out of plain decoding
 only). Writes JSON (--out) and prints a table last.
 
-    python3 benchmarks/bench_plain_bookkeeping.py --batch-sizes 1,16,64 --out plain-bookkeeping.json
+    python3 benchmarks/engine/bench_plain_bookkeeping.py --batch-sizes 1,16,64 --out plain-bookkeeping.json
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ weights / --bandwidth). thinkspec's decode time runs from the batch's first toke
 forward prefills every prompt); HF's is a full run's minus a 1-token run's. Writes JSON (--out)
 and prints a table last.
 
-    python benchmarks/bench_throughput.py --out throughput.json                  # H200
-    python benchmarks/bench_throughput.py --small --device cpu --batch-sizes 1,4 # smoke test
+    python benchmarks/engine/bench_throughput.py --out throughput.json                  # H200
+    python benchmarks/engine/bench_throughput.py --small --device cpu --batch-sizes 1,4 # smoke test
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ captured then), timed --repeats times (interleaved across batch sizes / engines)
 median with min-max. Only one tensor-parallel engine can live in a process, so plain and the two
 draft modes run one after the other. Writes JSON (--out) and prints a table last.
 
-    python benchmarks/bench_tp.py --tp 2 --out tp.json                        # nvidia-h200-x2
-    python benchmarks/bench_tp.py --tp 4 --parts allreduce,plain --batch-sizes 1,16
-    python benchmarks/bench_tp.py --tp 8 --target llama3-405b --parts allreduce,plain,spec \\
+    python benchmarks/engine/bench_tp.py --tp 2 --out tp.json                        # nvidia-h200-x2
+    python benchmarks/engine/bench_tp.py --tp 4 --parts allreduce,plain --batch-sizes 1,16
+    python benchmarks/engine/bench_tp.py --tp 8 --target llama3-405b --parts allreduce,plain,spec \\
         --batch-sizes 1 --spec-batch-sizes 1 --acceptance-lengths 3 --draft-modes tp
 """
 

@@ -10,7 +10,7 @@ chunk of interpreter work (dict, list and int operations, as the scheduler does)
   steal_s           the VM's steal time over the run (/proc/stat; 0 where the hypervisor reports none)
 Writes JSON (--out) and prints a short table last.
 
-    python benchmarks/host_noise.py --seconds 30 --out host_noise.json
+    python benchmarks/engine/host_noise.py --seconds 30 --out host_noise.json
 """
 
 from __future__ import annotations

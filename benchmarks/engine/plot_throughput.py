@@ -1,7 +1,7 @@
 """Plot a bench_throughput.py result: decode tok/s per engine against batch size (left), and the
 batch-1 step of each engine against the weight-read floor and the 1.2x target (right).
 
-    python benchmarks/plot_throughput.py benchmarks/results/<run>.json --out docs/throughput-h200.png
+    python benchmarks/engine/plot_throughput.py benchmarks/results/<run>.json --out docs/throughput-h200.png
 """
 
 from __future__ import annotations

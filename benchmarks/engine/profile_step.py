@@ -29,10 +29,10 @@ back to back afterwards (switch_extra = switch_step - steady_step: what leaving 
 beyond a steady step).
 Writes JSON (--out) and prints a short table last.
 
-    python benchmarks/profile_step.py --out step.json                       # H200, batch 1
-    python benchmarks/profile_step.py --batch 64 --spec 3 --out spec.json   # H200, speculative step
-    python benchmarks/profile_step.py --batch 16 --spec 3 --switch 24 --steps 10 --out switch.json
-    python benchmarks/profile_step.py --small --device cpu --steps 5        # smoke test
+    python benchmarks/engine/profile_step.py --out step.json                       # H200, batch 1
+    python benchmarks/engine/profile_step.py --batch 64 --spec 3 --out spec.json   # H200, speculative step
+    python benchmarks/engine/profile_step.py --batch 16 --spec 3 --switch 24 --steps 10 --out switch.json
+    python benchmarks/engine/profile_step.py --small --device cpu --steps 5        # smoke test
 """
 
 from __future__ import annotations

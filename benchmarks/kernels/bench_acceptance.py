@@ -17,7 +17,7 @@ are not served from L2): "flushed", the median of triton.testing.do_bench, which
 before each call to flush L2 (the call then also pays for writing those dirty lines back), and
 "b2b", the mean of calls issued back to back as a round issues them.
 
-Usage: python benchmarks/bench_acceptance.py --out results.json
+Usage: python benchmarks/kernels/bench_acceptance.py --out results.json
 """
 
 from __future__ import annotations
@@ -30,61 +30,14 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-
-def bench_us(fn: Callable[[], object], warmup: int, rep: int) -> float:
-    """Median time of fn in microseconds."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
-
-
-def back_to_back_us(fn: Callable[[], object], n: int) -> float:
-    """Mean time per call in microseconds of n calls issued back to back (best of 3 runs), as a
-    round issues them: no L2 flush in between, so no dirty flush lines to write back either."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(3):
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / n)
-    return best
-
-
-@triton.jit
-def _read_max_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
-    tl.store(out_ptr + tl.program_id(0), tl.max(x.to(tl.float32), 0))
-
-
-def read_max(logits: torch.Tensor) -> torch.Tensor:
-    """A plain streaming read of the logits (max of 8,192-entry tiles), the cost of reading them
-    once with a simple kernel. [R, V] -> [R * V / 8192] float32."""
-    flat = logits.view(-1)
-    out = torch.empty(triton.cdiv(flat.numel(), 8192), dtype=torch.float32, device=logits.device)
-    _read_max_kernel[(out.numel(),)](flat, out, flat.numel(), BLOCK=8192, num_warps=8)
-    return out
-
-
-def copy_bandwidth(warmup: int, rep: int) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    us = bench_us(lambda: dst.copy_(src), warmup, rep)
-    return 2 * n / (us * 1e-6)
+from benchmarks.common import DTYPES, back_to_back_us, bench_us, copy_bandwidth, graphed, read_max
 
 
 def seed_style(logits: torch.Tensor, drafts: torch.Tensor, top_k: int, ratio: float) -> torch.Tensor:
@@ -93,20 +46,6 @@ def seed_style(logits: torch.Tensor, drafts: torch.Tensor, top_k: int, ratio: fl
     top_p, top_i = probs.topk(top_k, -1)
     p_d = probs.gather(-1, drafts[:, None])[:, 0]
     return (top_i == drafts[:, None]).any(-1) & (p_d >= ratio * top_p[:, 0])
-
-
-def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """One CUDA graph per input buffer, replayed in rotation."""
-    graphs = []
-    for call in calls:
-        call()  # compiles and warms up outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-        graphs.append(g)
-    cycle = itertools.cycle(graphs)
-    return lambda: next(cycle).replay()
 
 
 def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:

@@ -6,8 +6,9 @@ before the device starts and the events time the device alone. Methods alternate
 microseconds per call, median (min-max) over --rounds. Each result is checked against torch first.
 Writes JSON (--out) and prints a table last.
 
-    python benchmarks/bench_argmax.py --rows 1,2,16,64,128 --out argmax.json
-    TRITON_INTERPRET=1 python benchmarks/bench_argmax.py --device cpu --vocab 500 --rows 1,3 --rounds 1
+    python benchmarks/kernels/bench_argmax.py --rows 1,2,16,64,128 --out argmax.json
+    TRITON_INTERPRET=1 python benchmarks/kernels/bench_argmax.py --device cpu --vocab 500 --rows 1,3 \\
+        --rounds 1
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ JSON (--out) and prints the best shape per context last.
 each block head-major ([blocks, HKV, 16, D], seen through a permuted view of the same shape, so one
 head's 16 rows are 4 KiB in a row); the kernels read either through their strides.
 
-    python benchmarks/bench_attention.py --out attention.json
+    python benchmarks/kernels/bench_attention.py --out attention.json
 """
 
 from __future__ import annotations

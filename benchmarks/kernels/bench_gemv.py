@@ -7,7 +7,7 @@ per product, the achieved read rate and the ratio to the HBM floor (weight bytes
 for cuBLAS and for every Triton launch shape in the grid; checks each Triton result against
 F.linear first. Writes JSON (--out) and prints the best shape per projection last.
 
-    python benchmarks/bench_gemv.py --out gemv.json
+    python benchmarks/kernels/bench_gemv.py --out gemv.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ SHAPES = [
 # "_glu": the gate/up product as the engine runs it at 1-2 rows, SiLU(gate) * up in the GEMV's
 # epilogue (N weight rows, N / 2 outputs); the Llama-3 ones (70B: one rank's half at TP = 2, 8 of its
 # 80 layers, 3.8 GB, enough to miss L2) as well: weights past GEMV_MAX_WEIGHT, which the engine keeps on
-# cuBLAS then silu_and_mul (docs/BENCHMARKS.md, thirty-sixth session)
+# cuBLAS then silu_and_mul (docs/BENCHMARKS.md, "Attention, GEMV and GEMM kernels")
 
 
 def main() -> None:

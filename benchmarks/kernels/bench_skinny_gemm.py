@@ -16,11 +16,11 @@ Then it prints the best shape per cell with its ratios, and the per-step totals 
 qkv, o, gate_up, down + lm_head) at rows 16 and 64: cuBLAS, best Triton, and the best of both per
 projection (what the dispatch table gives).
 
-    python benchmarks/bench_skinny_gemm.py --out skinny.json
-    python benchmarks/bench_skinny_gemm.py --table-from skinny.json   # entries for SKINNY_GEMM_TABLE
-    python benchmarks/bench_skinny_gemm.py --glu --out glu.json       # gate_up + SiLU: SKINNY_GLU_TABLE
-    python benchmarks/bench_skinny_gemm.py --glu --rows 64 --no-tma   # pointer loads instead of TMA
-    TRITON_INTERPRET=1 python benchmarks/bench_skinny_gemm.py --small   # CPU smoke (tiny shapes)
+    python benchmarks/kernels/bench_skinny_gemm.py --out skinny.json
+    python benchmarks/kernels/bench_skinny_gemm.py --table-from skinny.json   # SKINNY_GEMM_TABLE entries
+    python benchmarks/kernels/bench_skinny_gemm.py --glu --out glu.json       # SiLU * up: SKINNY_GLU_TABLE
+    python benchmarks/kernels/bench_skinny_gemm.py --glu --rows 64 --no-tma   # pointer loads instead of TMA
+    TRITON_INTERPRET=1 python benchmarks/kernels/bench_skinny_gemm.py --small   # CPU smoke (tiny shapes)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ with the rank count, and the sum-exp loop of sampled / delta rows), plus the fus
 loop over chunk partials (marked "accept"; its "entries" are partials, not logits). Were the pass
 bound by instruction issue rather than bandwidth, this count would move its time.
 
-    python benchmarks/kernel_loop_cost.py --dtype bf16 --tile 1024 --vec 4 --warps 8
+    python benchmarks/kernels/kernel_loop_cost.py --dtype bf16 --tile 1024 --vec 4 --warps 8
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ inputs rotating over enough fresh buffers that no call hits L2:
 and reports each against the HBM floor (logits bytes / measured copy bandwidth) and a plain read
 kernel. `best` in the JSON is the shape whose worst b2b ratio over all cases is lowest.
 
-Usage: python benchmarks/tune_acceptance.py --out tune.json [--rows 320,1280] [--dtypes bf16,fp32]
+Usage: python benchmarks/kernels/tune_acceptance.py --out tune.json [--rows 320,1280] [--dtypes bf16,fp32]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.kernels.bench_acceptance import (
+from benchmarks.common import (
     DTYPES,
     back_to_back_us,
     bench_us,

@@ -29,9 +29,8 @@ median tok/s with its min-max. The acceptance criteria reported per batch size:
 
 Repetition r draws its acceptance with seed --acceptance-seed + r, the same in every cell. At batch 1
 a run is one request of about 70 steps, so its speculating cells move by up to 10-15% from one draw to
-the next: judge adaptive / plain there over ten or more repetitions (docs/BENCHMARKS.md, twenty-fourth
-session: 1.919 over three draws, 1.891 and 1.844 over two sets of ten; twenty-sixth: 1.887 and 1.875
-over two sets of twenty, the best --phase-ks pair 1.893 and 1.896).
+the next: judge adaptive / plain there over ten or more repetitions (docs/BENCHMARKS.md, "Adaptive
+draft length": 1.864-1.900 over the same sixty draws in three calls).
 
 --toy measures the bundled toy pair instead (target and draft of thinkspec/assets/toy-reasoner/),
 with real acceptance: relaxed thinking on (--relax RATIO:TOP_K), the qwen3 reasoning parser, as
@@ -56,12 +55,12 @@ and step_times_by_rep, the same without the per-step sequences for every repetit
 Writes JSON (--out; rewritten after every repetition, so a run cut short keeps what it measured)
 and prints a table last.
 
-    python3 benchmarks/bench_adaptive.py --out adaptive.json                                   # H200
-    python3 benchmarks/bench_adaptive.py --toy --batch-sizes 1,16,64 --out adaptive-toy.json   # H200
-    python3 benchmarks/bench_adaptive.py --small --device cpu --batch-sizes 1,2 --output-len 24 \\
-        --repeats 1 --fixed-ks 1,2 --k-max 2                                                   # smoke test
-    python3 benchmarks/bench_adaptive.py --toy --device cpu --batch-sizes 1,2 --max-tokens 24 \\
-        --repeats 1 --fixed-ks 1,2 --k-max 2                                                   # smoke test
+    python3 benchmarks/speculative/bench_adaptive.py --out adaptive.json                          # H200
+    python3 benchmarks/speculative/bench_adaptive.py --toy --batch-sizes 1,16,64 --out toy.json   # H200
+    python3 benchmarks/speculative/bench_adaptive.py --small --device cpu --batch-sizes 1,2 \\
+        --output-len 24 --repeats 1 --fixed-ks 1,2 --k-max 2                                     # smoke test
+    python3 benchmarks/speculative/bench_adaptive.py --toy --device cpu --batch-sizes 1,2 \\
+        --max-tokens 24 --repeats 1 --fixed-ks 1,2 --k-max 2                                     # smoke test
 """
 
 from __future__ import annotations

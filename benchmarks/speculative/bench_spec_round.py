@@ -25,8 +25,8 @@ torch.profiler, and their device time is split into GEMM, attention and other ke
 ten costliest kernels.
 Writes JSON (--out) and prints a table last.
 
-    python benchmarks/bench_spec_round.py --out spec_round.json            # H200
-    python benchmarks/bench_spec_round.py --small --device cpu --rounds 3  # smoke test
+    python benchmarks/speculative/bench_spec_round.py --out spec_round.json            # H200
+    python benchmarks/speculative/bench_spec_round.py --small --device cpu --rounds 3  # smoke test
 """
 
 from __future__ import annotations

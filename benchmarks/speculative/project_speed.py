@@ -1,11 +1,11 @@
 """Projected tok/s of a sweep's settings on a real-shaped model pair (thinkspec/bench/projection.py).
 
-  python3 benchmarks/project_speed.py --sweep docs/sweep-toy-h200/sweep.json \\
+  python3 benchmarks/speculative/project_speed.py --sweep docs/sweep-toy-h200/sweep.json \\
       --costs spec_round.json [--out projection.json] [--plot projection.png]
 
---costs is the JSON of benchmarks/bench_spec_round.py (e.g. --batch-sizes 1,4,16,64,128 at the
-Qwen3-8B / Qwen3-0.6B shapes) or of benchmarks/validate_projection.py (the step costs it measured);
-its k must be the sweep's.
+--costs is the JSON of benchmarks/speculative/bench_spec_round.py (e.g. --batch-sizes 1,4,16,64,128
+at the Qwen3-8B / Qwen3-0.6B shapes) or of benchmarks/speculative/validate_projection.py (the step
+costs it measured); its k must be the sweep's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--sweep", required=True, help="sweep.json of `thinkspec sweep`")
     p.add_argument(
         "--costs", required=True,
-        help="JSON of benchmarks/bench_spec_round.py or benchmarks/validate_projection.py",
+        help="JSON of benchmarks/speculative/bench_spec_round.py or .../validate_projection.py",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="PNG of projected tok/s against batch size")

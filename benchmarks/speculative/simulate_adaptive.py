@@ -37,7 +37,7 @@ replace the JSON's good profile by conditional rates per draft position (accepta
 rises along the window). The output JSON keeps each seed's tok/s: runs of two trees on the same
 seeds and draws compare seed by seed.
 
-    python3 benchmarks/simulate_adaptive.py \
+    python3 benchmarks/speculative/simulate_adaptive.py \
         benchmarks/results/2026-12-01-adaptive-h200-tolerance-b1-b128.json --seeds 8 --runs 5 \
         [--set PLAIN_MARGIN=0 --set MAX_STEP_WEIGHT=1]
 """

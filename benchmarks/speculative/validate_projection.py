@@ -13,9 +13,9 @@ All engines are resident and warm at the timed shapes before timing; the cells a
 --repeats times; a timed run that captures or compiles raises. Reports the median measured tok/s
 with its min-max and measured / projected. Writes JSON (--out) and prints a table last.
 
-    python3 benchmarks/validate_projection.py --sweep docs/sweep-toy-h200/sweep.json \\
+    python3 benchmarks/speculative/validate_projection.py --sweep docs/sweep-toy-h200/sweep.json \\
         --cells "T=0 strict,T=0 r=0.3 k=8" --out validation.json                 # H200
-    python3 benchmarks/validate_projection.py --sweep sweep.json --small --device cpu \\
+    python3 benchmarks/speculative/validate_projection.py --sweep sweep.json --small --device cpu \\
         --batch-sizes 1,2 --output-len 24 --repeats 1                              # smoke test
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from argparse import Namespace
@@ -34,36 +35,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
 from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, decode_seconds, write_config
-from benchmarks.speculative.bench_spec_round import run_batch
 from thinkspec import LLM
 from thinkspec.bench.projection import (
     AcceptanceProfile,
     StepCosts,
+    costs_from_spec_round,
     profiles_from_sweep,
     project,
     simulate_batch,
 )
 from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
-from thinkspec.engine.model_runner import use_triton_kernels
-from thinkspec.models.loader import load_model
 
 
-def measure_costs(args: Namespace, tdir: Path, ddir: Path, batches: list[int]) -> list[StepCosts]:
-    """bench_spec_round's parts at each batch size: [StepCosts], models freed afterwards."""
-    device = torch.device(args.device)
-    dtype = "float32" if device.type == "cpu" else "bfloat16"
-    target, tinfo = load_model(tdir, dtype, device, load_format="dummy")
-    draft, dinfo = load_model(ddir, dtype, device, load_format="dummy")
-    if device.type == "cuda":
-        use_triton_kernels(target)
-        use_triton_kernels(draft)
-    ns = Namespace(k=args.k, rate=0.7, prompt_len=args.prompt_len, rounds=20, warmup=3, reps=10,
-                   enforce_eager=False)  # fmt: skip
-    rows = [run_batch(ns, target, tinfo, draft, dinfo, ddir, b, device) for b in batches]
-    del target, draft
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return [StepCosts(r["batch"], r["k"], r["decode_ms"], r["draft_step_ms"], r["verify_ms"]) for r in rows]
+def measure_costs(args: Namespace, batches: list[int]) -> list[StepCosts]:
+    """bench_spec_round.py's parts at each batch size, run in its own process (its models are freed
+    when it exits): [StepCosts], one per batch."""
+    script = Path(__file__).with_name("bench_spec_round.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "spec_round.json"
+        cmd = [sys.executable, str(script), "--batch-sizes", ",".join(map(str, batches)), "--k", str(args.k),
+               "--rate", "0.7", "--prompt-len", str(args.prompt_len), "--rounds", "20", "--warmup", "3",
+               "--reps", "10", "--device", args.device, "--out", str(out)]  # fmt: skip
+        if args.small:
+            cmd.append("--small")
+        subprocess.run(cmd, check=True)
+        return costs_from_spec_round(json.loads(out.read_text()))
 
 
 def synthetic_profile(p: AcceptanceProfile, output_len: int) -> dict:
@@ -115,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tdir = write_config(Path(tmp) / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
         ddir = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
-        costs = measure_costs(args, tdir, ddir, batches)
+        costs = measure_costs(args, batches)
         result["costs"] = [{"batch": c.batch, "plain_ms": c.plain_ms, "draft_ms": c.draft_ms,
                             "verify_ms": c.verify_ms, "round_ms": c.round_ms} for c in costs]  # fmt: skip
         for c in costs:

@@ -25,8 +25,8 @@ Cells run round-robin after --warmups runs each at the timed batch sizes; median
 --repeats, its ratio to plain, and how many speculative steps each run of a speculating cell made.
 Writes JSON (--out) and prints a table last.
 
-    python3 benchmarks/toy_plain_overhead.py --batch-sizes 1,16,64 --out toy-plain-overhead.json   # H200
-    python3 benchmarks/toy_plain_overhead.py --device cpu --batch-sizes 1 --max-tokens 8 --repeats 1 \\
+    python3 benchmarks/toy/toy_plain_overhead.py --batch-sizes 1,16,64 --out toy-plain-overhead.json   # H200
+    python3 benchmarks/toy/toy_plain_overhead.py --device cpu --batch-sizes 1 --max-tokens 8 --repeats 1 \\
         --engine-args '{"async_scheduling": true}'
 """
 

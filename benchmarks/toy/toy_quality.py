@@ -4,7 +4,7 @@ Side by side on the same fresh problems, greedy: the target without speculation,
 draft-model speculative decoding, and relaxed settings. Per mode: answer accuracy, mean output
 tokens, mean acceptance length (overall / thinking / answer), relaxed-only share, tokens/s.
 
-    python benchmarks/toy_quality.py --num-problems 500 --out toy_quality.json
+    python benchmarks/toy/toy_quality.py --num-problems 500 --out toy_quality.json
 """
 
 from __future__ import annotations
