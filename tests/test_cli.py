@@ -193,6 +193,24 @@ def test_generate_json_matches_llm_chat(capsys, ckpt):
     assert any(r["reasoning_content"] for r in records)  # qwen3 output starts in reasoning
 
 
+def test_generate_prints_spec_stats_unless_disabled(capsys, ckpt):
+    spec = json.dumps({"model": ckpt, "num_speculative_tokens": 2})  # the target drafts for itself
+    argv = ["generate", ckpt, "--device", "cpu", "--prompt", "q30 q30 q30", "--max-tokens", "8",
+            "--speculative-config", spec]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    block = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(block) == 3, captured.err
+    counts = re.match(r"speculative decoding: (\d+) verify rounds, (\d+) drafted, (\d+) accepted", block[0])
+    assert counts is not None and int(counts[1]) >= 1 and int(counts[2]) >= 1, block[0]
+    assert int(counts[3]) == int(counts[2])  # a draft equal to the target: every draft accepted
+    assert block[1].startswith("  mean acceptance length ") and "thinking" in block[1]
+    assert "speculative decoding" not in captured.out and "--- finish_reason=" in captured.out
+    assert main([*argv, "--disable-log-stats"]) == 0
+    captured = capsys.readouterr()
+    assert "speculative decoding" not in captured.err and "--- finish_reason=" in captured.out
+
+
 def test_generate_text_output_and_prompts_file(capsys, ckpt, tmp_path):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("q30\n\nhello\n", encoding="utf-8")

@@ -6,10 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thinkspec.engine_args import engine_kwargs
 from thinkspec.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -56,6 +59,21 @@ def _print_text(index: int, record: dict[str, Any], split: bool) -> None:
     )
 
 
+def format_spec_stats(metrics: SpecDecodeMetrics) -> str:
+    """The speculative-decoding statistics of one call as one compact block (three lines)."""
+    t, think, answer = metrics.total, metrics.thinking, metrics.answer
+    per_pos = " ".join(f"{r:.2f}" for r in t.acceptance_rate_per_pos) or "-"
+    return (
+        f"speculative decoding: {t.num_drafts} verify rounds, {t.num_draft_tokens} drafted, "
+        f"{t.num_accepted_tokens} accepted ({t.num_relaxed_accepted_tokens} relaxed-only), "
+        f"{t.num_emitted_tokens} emitted\n"
+        f"  mean acceptance length {t.mean_acceptance_length:.2f} (thinking "
+        f"{think.mean_acceptance_length:.2f}, answer {answer.mean_acceptance_length:.2f}); "
+        f"draft acceptance rate {t.draft_acceptance_rate:.3f}\n"
+        f"  acceptance rate per draft position: {per_pos}"
+    )
+
+
 def build_llm(args: argparse.Namespace) -> Any:
     """An LLM from the engine flags; ValueError for flags this engine cannot honour."""
     from thinkspec.llm import LLM
@@ -92,4 +110,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False))
         else:
             _print_text(i, record, split)
+    if llm.last_spec_metrics is not None and not llm.engine_args.disable_log_stats:
+        sys.stdout.flush()  # the block follows the outputs on a terminal that shows both streams
+        print(format_spec_stats(llm.last_spec_metrics), file=sys.stderr)
     return 1 if any(out.error is not None for out in outputs) else 0
