@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from thinkspec.sampling.rejection import relaxed_test
 from thinkspec.toy.task import (
     LEVELS,
     Level,
@@ -124,101 +126,153 @@ def speculative_generate(
     return outs, stats, pmax_thinking
 
 
+@dataclass(slots=True)
+class _Rows:
+    """Device state of a batch of simulated requests: token buffer [B, T] int64 (prompt, then
+    output), prompt and current lengths [B] int64, finished and thinking flags [B] bool."""
+
+    buf: torch.Tensor
+    plen: torch.Tensor
+    lens: torch.Tensor
+    done: torch.Tensor
+    phase: torch.Tensor
+
+    @classmethod
+    def start(cls, prompts: list[list[int]], ids: TokenIds, width: int, dev: torch.device) -> _Rows:
+        b = len(prompts)
+        plen = torch.tensor([len(p) for p in prompts], device=dev)
+        buf = torch.full((b, int(plen.max()) + width), ids.eos[-1], dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            buf[i, : len(p)] = torch.tensor(p, device=dev)
+        # Initial phase: the last think marker in the prompt decides.
+        phase = torch.tensor([_initial_phase(p, ids) for p in prompts], dtype=torch.bool, device=dev)
+        return cls(buf, plen, plen.clone(), torch.zeros(b, dtype=torch.bool, device=dev), phase)
+
+
+@dataclass(slots=True)
+class _Round:
+    """One verify round of the active rows A: emitted tokens [A, k+1] int64 (accepted drafts, then
+    the target's token), emitted counts [A] int64, the target's top-1 probability per row [A, k+1]
+    float32 and the relaxed-only acceptances [A] int64."""
+
+    emit: torch.Tensor
+    n_emit: torch.Tensor
+    pmax: torch.Tensor
+    relaxed_only: torch.Tensor
+
+
 def _spec_batch(
-    target,
-    draft,
-    prompts,
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    prompts: list[list[int]],
     ids: TokenIds,
-    k,
-    relax,
-    max_new_tokens,
+    k: int,
+    relax: Relax | None,
+    max_new_tokens: int,
     stats: SpecStats,
     pmax_thinking: list[float],
 ) -> list[list[int]]:
     dev = next(target.parameters()).device
-    b = len(prompts)
-    plen = torch.tensor([len(p) for p in prompts], device=dev)
-    buf = torch.full((b, int(plen.max()) + max_new_tokens + k + 1), ids.eos[-1], dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = torch.tensor(p, device=dev)
-    lens = plen.clone()
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    # Initial phase: the last think marker in the prompt decides.
-    phase = torch.zeros(b, dtype=torch.bool, device=dev)
-    for i, p in enumerate(prompts):
-        for t in reversed(p):
-            if t in (ids.think_start, ids.think_end):
-                phase[i] = t == ids.think_start
-                break
-    protected = torch.tensor(ids.protected, device=dev)
+    rows = _Rows.start(prompts, ids, max_new_tokens + k + 1, dev)
     arange = torch.arange(k + 1, device=dev)
-    while not bool(done.all()):
-        act = (~done).nonzero().squeeze(1)
-        x, ln, ph = buf[act], lens[act], phase[act]  # x [A, T]
-        drafts = torch.empty(len(act), k, dtype=torch.long, device=dev)
-        for j in range(k):
-            d = _last_logits(draft, x, (ln - 1 + j).unsqueeze(1))[:, 0].argmax(-1)  # [A]
-            drafts[:, j] = d
-            x[torch.arange(len(act), device=dev), ln + j] = d
-        logits = _last_logits(target, x, ln.unsqueeze(1) - 1 + arange)  # [A, k+1, V]
-        g = logits.argmax(-1)  # [A, k+1]
-        probs = logits.softmax(-1)
-        pmax = probs.max(-1).values  # [A, k+1]
+    while not bool(rows.done.all()):
+        act = (~rows.done).nonzero().squeeze(1)
+        r = _verify_round(target, draft, rows.buf[act], rows.lens[act], rows.phase[act], ids, k, relax)
+        nf, new_phase, new_done = _bookkeep(r, act, rows, ids, max_new_tokens, stats, pmax_thinking)
+        keep = arange.unsqueeze(0) < nf.unsqueeze(1)  # [A, k+1]
+        idx = act.unsqueeze(1).expand_as(keep)
+        rows.buf[idx[keep], (rows.lens[act].unsqueeze(1) + arange)[keep]] = r.emit[keep]
+        rows.lens[act] += nf
+        rows.phase[act] = new_phase
+        rows.done[act] = new_done
+    return [rows.buf[i, int(rows.plen[i]) : int(rows.lens[i])].tolist() for i in range(len(prompts))]
+
+
+def _verify_round(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    x: torch.Tensor,  # [A, T] int64 token rows of the active requests (a copy: drafts are written in)
+    ln: torch.Tensor,  # [A] int64 their lengths
+    ph: torch.Tensor,  # [A] bool their phase (True = thinking)
+    ids: TokenIds,
+    k: int,
+    relax: Relax | None,
+) -> _Round:
+    """k greedy drafts per row, then the target's verdict: strict greedy, or the library's relaxed
+    test (sampling/rejection.py) in the thinking phase with protected tokens never relaxed."""
+    a, dev = len(x), x.device
+    arange = torch.arange(k + 1, device=dev)
+    drafts = torch.empty(a, k, dtype=torch.long, device=dev)
+    for j in range(k):
+        d = _last_logits(draft, x, (ln - 1 + j).unsqueeze(1))[:, 0].argmax(-1)  # [A]
+        drafts[:, j] = d
+        x[torch.arange(a, device=dev), ln + j] = d
+    logits = _last_logits(target, x, ln.unsqueeze(1) - 1 + arange)  # [A, k+1, V]
+    g = logits.argmax(-1)  # [A, k+1]
+    pmax = logits.softmax(-1).max(-1).values  # [A, k+1]
+    strict = drafts == g[:, :k]  # [A, k]
+    accept = strict
+    if relax is not None and k:
         # Phase before each draft position, advanced over the earlier drafts.
         phases = [ph]
-        for j in range(k):
+        for j in range(k - 1):
             phases.append(_phase_after(phases[-1], drafts[:, j], ids))
-        phase_before = torch.stack(phases, 1)  # [A, k+1] bool
-        strict = drafts == g[:, :k]  # [A, k]
-        accept = strict
-        if relax is not None and k:
-            ld = logits[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [A, k]
-            rank = (logits[:, :k] > ld.unsqueeze(-1)).sum(-1)
-            pd = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            ok = (pd > 0) & (rank < relax.top_k) & (pd >= relax.ratio * pmax[:, :k])
-            ok &= phase_before[:, :k] & ~torch.isin(drafts, protected)
-            accept = strict | ok
-        n_acc = accept.long().cumprod(-1).sum(-1)  # [A]
-        # Emitted tokens: accepted drafts, then the target's token at the first rejection (or bonus).
-        emit = torch.cat([drafts, g[:, -1:]], 1) if k else g  # [A, k+1]
-        emit = torch.where(arange < n_acc.unsqueeze(1), emit, g)
-        n_emit = n_acc + 1
-        relaxed_only = (accept & ~strict & (arange[:k] < n_acc.unsqueeze(1))).sum(-1) if k else n_acc * 0
-        # One host copy per round; the per-row bookkeeping below runs on plain lists.
-        emit_l, n_l, ph_l, pm_l = emit.tolist(), n_emit.tolist(), ph.tolist(), pmax.tolist()
-        ro_l, lens_l, plen_l = relaxed_only.tolist(), lens[act].tolist(), plen[act].tolist()
-        n_final, new_phase, new_done = [], [], []
-        for a in range(len(act)):
-            toks, n = emit_l[a], n_l[a]
-            fin = False
-            for j in range(n):
-                if toks[j] in ids.eos:
-                    n, fin = j + 1, True
-                    break
-            room = plen_l[a] + max_new_tokens - lens_l[a]
-            if n >= room:
-                n, fin = room, True
-            p_i = ph_l[a]
-            key = "thinking" if p_i else "answer"
-            stats.rounds[key] += 1
-            stats.emitted[key] += n
-            stats.relaxed_only += ro_l[a]
-            for j in range(n):
-                if p_i:
-                    pmax_thinking.append(pm_l[a][j])
-                t = toks[j]
-                p_i = t == ids.think_start or (p_i and t != ids.think_end)
-            n_final.append(n)
-            new_phase.append(p_i)
-            new_done.append(fin)
-        nf = torch.tensor(n_final, device=dev)
-        keep = arange.unsqueeze(0) < nf.unsqueeze(1)  # [A, k+1]
-        rows = act.unsqueeze(1).expand_as(keep)
-        buf[rows[keep], (lens[act].unsqueeze(1) + arange)[keep]] = emit[keep]
-        lens[act] += nf
-        phase[act] = torch.tensor(new_phase, device=dev)
-        done[act] = torch.tensor(new_done, device=dev)
-    return [buf[i, int(plen[i]) : int(lens[i])].tolist() for i in range(b)]
+        mask = torch.stack(phases, 1) & ~torch.isin(drafts, torch.tensor(ids.protected, device=dev))  # [A, k]
+        ratio, top_k = torch.full((a,), relax.ratio, device=dev), torch.full((a,), relax.top_k, device=dev)
+        ok = relaxed_test(logits[:, :k], drafts, ratio, top_k, torch.full((a,), math.nan, device=dev))
+        accept = strict | (mask & ok)
+    n_acc = accept.long().cumprod(-1).sum(-1)  # [A]
+    # Emitted tokens: accepted drafts, then the target's token at the first rejection (or bonus).
+    emit = torch.cat([drafts, g[:, -1:]], 1) if k else g  # [A, k+1]
+    emit = torch.where(arange < n_acc.unsqueeze(1), emit, g)
+    relaxed_only = (accept & ~strict & (arange[:k] < n_acc.unsqueeze(1))).sum(-1) if k else n_acc * 0
+    return _Round(emit, n_acc + 1, pmax, relaxed_only)
+
+
+def _bookkeep(
+    r: _Round,
+    act: torch.Tensor,  # [A] int64 active rows
+    rows: _Rows,
+    ids: TokenIds,
+    max_new_tokens: int,
+    stats: SpecStats,
+    pmax_thinking: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cuts each row's emitted tokens at EOS and the length limit and counts the round; returns the
+    tokens kept [A] int64, the phase after them [A] bool and whether each row finished [A] bool."""
+    # One host copy per round; the per-row bookkeeping below runs on plain lists.
+    emit_l, n_l, ph_l, pm_l = r.emit.tolist(), r.n_emit.tolist(), rows.phase[act].tolist(), r.pmax.tolist()
+    ro_l, lens_l, plen_l = r.relaxed_only.tolist(), rows.lens[act].tolist(), rows.plen[act].tolist()
+    n_final, new_phase, new_done = [], [], []
+    for a in range(len(act)):
+        toks, n = emit_l[a], n_l[a]
+        fin = False
+        for j in range(n):
+            if toks[j] in ids.eos:
+                n, fin = j + 1, True
+                break
+        room = plen_l[a] + max_new_tokens - lens_l[a]
+        if n >= room:
+            n, fin = room, True
+        p_i = ph_l[a]
+        key = "thinking" if p_i else "answer"
+        stats.rounds[key] += 1
+        stats.emitted[key] += n
+        stats.relaxed_only += ro_l[a]
+        for j in range(n):
+            if p_i:
+                pmax_thinking.append(pm_l[a][j])
+            t = toks[j]
+            p_i = t == ids.think_start or (p_i and t != ids.think_end)
+        n_final.append(n)
+        new_phase.append(p_i)
+        new_done.append(fin)
+    dev = act.device
+    return (
+        torch.tensor(n_final, device=dev),
+        torch.tensor(new_phase, dtype=torch.bool, device=dev),
+        torch.tensor(new_done, dtype=torch.bool, device=dev),
+    )
 
 
 @torch.no_grad()
@@ -319,6 +373,21 @@ def load(path: str, device: torch.device) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
+@dataclass(slots=True)
+class _Setup:
+    """What every measurement of one analysis shares: the problems, their prompts and the settings."""
+
+    tok: PreTrainedTokenizerBase
+    ids: TokenIds
+    problems: list[Problem]
+    prompts: list[list[int]]
+    k: int
+    max_new_tokens: int
+    batch_size: int
+    seed: int
+    level: str
+
+
 def analyze(
     target_path: str,
     draft_paths: list[str],
@@ -344,78 +413,98 @@ def analyze(
         torch.backends.cuda.matmul.allow_tf32 = True
     relax = relax if relax is not None else [Relax(0.3, 3), Relax(0.3, 4)]
     tok = AutoTokenizer.from_pretrained(target_path)
-    ids = TokenIds.from_tokenizer(tok)
     problems = fresh_problems(n, seed, LEVELS[level])
     prompts = [tok(chat_prompt(p.question), add_special_tokens=False)["input_ids"] for p in problems]
-    target = load(target_path, dev)
-    t0 = time.time()
-    outs, _, pmax = speculative_generate(
-        target, None, prompts, ids, max_new_tokens=max_new_tokens, batch_size=batch_size
+    setup = _Setup(
+        tok, TokenIds.from_tokenizer(tok), problems, prompts, k, max_new_tokens, batch_size, seed, level
     )
-    texts = tok.batch_decode(outs)
-    n_think = [_count_thinking(o, ids) for o in outs]
+    target = load(target_path, dev)
+    outs, target_entry = _measure_target(target, setup)
     result: dict = {
         "n_problems": n,
         "seed": seed,
         "level": level,
         "k": k,
-        "target": {
-            "path": target_path,
-            "accuracy": sum(grade(t, p) for t, p in zip(texts, problems)) / n,
-            "fork_fraction": sum(v < 0.5 for v in pmax) / max(1, len(pmax)),
-            "thinking_token_share": sum(n_think) / max(1, sum(len(o) for o in outs)),
-            "mean_output_tokens": sum(len(o) for o in outs) / n,
-            "seconds": round(time.time() - t0, 1),
-        },
+        "target": {"path": target_path, **target_entry},
         "drafts": [],
     }
     log(json.dumps(result["target"]))
+    deadline = None if time_budget_s is None else start + time_budget_s
     for dp in draft_paths:
-        draft = load(dp, dev)
-        t0 = time.time()
-        st = teacher_forced_acceptance(draft, prompts, outs, ids, k=k, batch_size=batch_size)
-        references = generate_samples(agreement_samples, seed + 1, LEVELS[level])
-        agreement = fork_agreement(target, draft, tok, references)
-        n_params = sum(p.numel() for p in {id(p): p for p in draft.parameters()}.values())
-        entry = {
-            "path": dp,
-            "params": n_params,
-            "strict": {
-                "thinking_al": st.mean_acceptance_length("thinking"),
-                "answer_al": st.mean_acceptance_length("answer"),
-            },
-            "agreement": agreement,
-            "relaxed": [],
-        }
-        for r in relax:
-            if time_budget_s is not None and time.time() - start > time_budget_s:
-                entry["relaxed"].append({**asdict(r), "skipped": "time budget"})
-                continue
-            r_outs, r_st, _ = speculative_generate(
-                target,
-                draft,
-                prompts,
-                ids,
-                k=k,
-                relax=r,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-            )
-            r_texts = tok.batch_decode(r_outs)
-            entry["relaxed"].append(
-                {
-                    **asdict(r),
-                    "thinking_al": r_st.mean_acceptance_length("thinking"),
-                    "answer_al": r_st.mean_acceptance_length("answer"),
-                    "relaxed_only_accepted": r_st.relaxed_only,
-                    "accuracy": sum(grade(t, p) for t, p in zip(r_texts, problems)) / n,
-                    "mean_output_tokens": sum(len(o) for o in r_outs) / n,
-                }
-            )
-        entry["seconds"] = round(time.time() - t0, 1)
-        result["drafts"].append(entry)
-        log(json.dumps(entry))
+        entry = _measure_draft(load(dp, dev), target, outs, setup, relax, agreement_samples, deadline)
+        result["drafts"].append({"path": dp, **entry})
+        log(json.dumps(result["drafts"][-1]))
     return result
+
+
+def _measure_target(target: torch.nn.Module, setup: _Setup) -> tuple[list[list[int]], dict]:
+    """The target's greedy outputs and their accuracy, fork fraction and thinking share."""
+    t0, n = time.time(), len(setup.problems)
+    outs, _, pmax = speculative_generate(
+        target,
+        None,
+        setup.prompts,
+        setup.ids,
+        max_new_tokens=setup.max_new_tokens,
+        batch_size=setup.batch_size,
+    )
+    texts = setup.tok.batch_decode(outs)
+    n_think = [_count_thinking(o, setup.ids) for o in outs]
+    return outs, {
+        "accuracy": sum(grade(t, p) for t, p in zip(texts, setup.problems)) / n,
+        "fork_fraction": sum(v < 0.5 for v in pmax) / max(1, len(pmax)),
+        "thinking_token_share": sum(n_think) / max(1, sum(len(o) for o in outs)),
+        "mean_output_tokens": sum(len(o) for o in outs) / n,
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def _measure_draft(
+    draft: torch.nn.Module,
+    target: torch.nn.Module,
+    outs: list[list[int]],
+    setup: _Setup,
+    relax: list[Relax],
+    agreement_samples: int,
+    deadline: float | None,
+) -> dict:
+    """One draft: strict acceptance along the target's outputs, agreement on reference traces, and
+    one relaxed simulation per setting (skipped once `deadline`, a time.time() value, has passed)."""
+    t0, n = time.time(), len(setup.problems)
+    st = teacher_forced_acceptance(
+        draft, setup.prompts, outs, setup.ids, k=setup.k, batch_size=setup.batch_size
+    )
+    references = generate_samples(agreement_samples, setup.seed + 1, LEVELS[setup.level])
+    entry: dict = {
+        "params": sum(p.numel() for p in {id(p): p for p in draft.parameters()}.values()),
+        "strict": {
+            "thinking_al": st.mean_acceptance_length("thinking"),
+            "answer_al": st.mean_acceptance_length("answer"),
+        },
+        "agreement": fork_agreement(target, draft, setup.tok, references),
+        "relaxed": [],
+    }
+    for r in relax:
+        if deadline is not None and time.time() > deadline:
+            entry["relaxed"].append({**asdict(r), "skipped": "time budget"})
+            continue
+        r_outs, r_st, _ = speculative_generate(
+            target, draft, setup.prompts, setup.ids, k=setup.k, relax=r,
+            max_new_tokens=setup.max_new_tokens, batch_size=setup.batch_size,
+        )  # fmt: skip
+        r_texts = setup.tok.batch_decode(r_outs)
+        entry["relaxed"].append(
+            {
+                **asdict(r),
+                "thinking_al": r_st.mean_acceptance_length("thinking"),
+                "answer_al": r_st.mean_acceptance_length("answer"),
+                "relaxed_only_accepted": r_st.relaxed_only,
+                "accuracy": sum(grade(t, p) for t, p in zip(r_texts, setup.problems)) / n,
+                "mean_output_tokens": sum(len(o) for o in r_outs) / n,
+            }
+        )
+    entry["seconds"] = round(time.time() - t0, 1)
+    return entry
 
 
 def _count_thinking(out: list[int], ids: TokenIds) -> int:
