@@ -7,15 +7,25 @@ from thinkspec.entrypoints.cli import main
 
 def test_demo_prints_both_modes_and_an_example(capsys):
     assert main(["demo", "--num-problems", "2", "--device", "cpu", "--seed", "7"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "strict" in out and "relaxed (ratio" in out
+    # Progress on stderr: a bar per mode through loading, warm-up and the problems.
+    for label in ("[1/3] plain decoding", "[2/3] strict", "[3/3] relaxed"):
+        assert label in captured.err
+    assert "loading" in captured.err and "warming up" in captured.err and "4/4" in captured.err
+    plain = next(line for line in out.splitlines() if line.startswith("plain decoding"))
+    accuracy, accept_len, thinking_len, tokens_per_s, vs_plain = plain.split()[-5:]
+    assert accuracy == "2/2" and accept_len == thinking_len == "-" and float(tokens_per_s) > 0
+    assert vs_plain == "1.00x"
     assert "--- reasoning_content ---" in out and "--- content ---" in out
     assert "**Answer:**" in out  # the answer part, shown apart from the reasoning
     # Table rows: mode, accuracy "correct/total", accept len, accept len in thinking, tokens/s.
     rows = {}
     for line in out.splitlines():
         if line.startswith(("strict", "relaxed")):
-            accuracy, accept_len, thinking_len, _ = line.split()[-4:]
+            accuracy, accept_len, thinking_len, _, vs_plain = line.split()[-5:]
+            assert vs_plain.endswith("x") and float(vs_plain[:-1]) > 0
             correct, total = map(int, accuracy.split("/"))
             rows[line.split()[0]] = (correct, total, float(accept_len), float(thinking_len))
     assert set(rows) == {"strict", "relaxed"}

@@ -57,8 +57,8 @@ def _build(mode: str, engine_args: str = "{}"):
 
 
 def test_toy_plain_overhead_fresh_pass_turns_the_streaks_off():
-    assert _build("adaptive").llm_engine.speculator.reuse_streaks
-    assert not _build("adaptive-fresh-pass").llm_engine.speculator.reuse_streaks
+    assert _build("adaptive").llm_engine.speculator.planner.reuse_streaks
+    assert not _build("adaptive-fresh-pass").llm_engine.speculator.planner.reuse_streaks
 
 
 @pytest.mark.parametrize(
@@ -70,12 +70,12 @@ def test_toy_plain_overhead_stubs_the_plain_steps_only_where_it_says(mode, draft
     llm = _build(mode, '{"async_scheduling": true}')
     speculator = llm.llm_engine.speculator
     calls = {"choose": 0, "draft": 0}
-    choose, execute = speculator._choose, speculator.draft_runner.execute_model
+    choose, execute = speculator.planner._choose, speculator.draft_runner.execute_model
 
     def counting(name, fn):
         return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
 
-    speculator._choose = counting("choose", choose)
+    speculator.planner._choose = counting("choose", choose)
     speculator.draft_runner.execute_model = counting("draft", execute)
     out = llm.generate(["Q: 2+3=?"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) > 1

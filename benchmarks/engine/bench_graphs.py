@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks.common import QWEN3_0_6B, QWEN3_8B, write_config
 from thinkspec import LLM, SamplingParams
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 
 
 def step_ms(llm: LLM, batch: int, n: int) -> float:
@@ -99,11 +100,13 @@ def main() -> None:
         for eager in (True, False):
             spec = None
             if mode == "spec":
-                spec = {"model": str(draft), "num_speculative_tokens": 4, "synthetic_acceptance_rate": 0.7}
+                spec = {"model": str(draft), "num_speculative_tokens": 4}
             util = args.gpu_memory_utilization
             llm = LLM(target, device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                       max_num_seqs=16, enforce_eager=eager, gpu_memory_utilization=util,
                       speculative_config=spec)  # fmt: skip
+            if spec is not None:
+                install_synthetic_acceptance(llm, rate=0.7)
             for b in map(int, args.batch_sizes.split(",")):
                 ms = step_ms(llm, b, args.tokens)
                 rows.append(dict(mode=mode, enforce_eager=eager, batch=b, ms_per_step=ms))

@@ -1,4 +1,4 @@
-"""Host time of an adaptive engine's bookkeeping for one plain decode step: Speculator.plan + record_plan.
+"""Host time of an adaptive engine's bookkeeping for one plain decode step: DraftPlanner.plan + record_plan.
 
 The bundled toy pair's adaptive engine (target + draft, adaptive_k, relaxed thinking) with its chooser
 settled on plain steps (acceptance estimates at 0, and a prohibitive learned switch cost: with no step
@@ -10,7 +10,7 @@ buries (docs/BENCHMARKS.md, "Toy pair and relaxation sweep").
 
 Modes alternate chunk by chunk, each chunk the same plan/record pair --steps times:
   streak      a plain step over the same rows as the one before reuses the chooser's choice
-  fresh-pass  Speculator.reuse_streaks off: every plain step takes the chooser's per-row pass
+  fresh-pass  DraftPlanner.reuse_streaks off: every plain step takes the chooser's per-row pass
 A thinkspec without reuse_streaks (an older tree first on PYTHONPATH) runs as "fresh-pass" only.
 Per batch size and mode: median microseconds per step (p10-p90) over --chunks chunks, the per-row
 passes per step (_choose calls) and the rows that drafted per step (probes out of plain decoding
@@ -86,7 +86,8 @@ def main() -> None:
     kw = {"kv_cache_memory": 1 << 30} if torch.device(args.device).type == "cuda" else {}
     llm = LLM(resolve_model_path("toy-reasoner"), speculative_config=toy_adaptive_config(args.k_max),
               device=args.device, max_num_seqs=max(batch_sizes), **kw)  # fmt: skip
-    spec = llm.llm_engine.speculator
+    speculator = llm.llm_engine.speculator
+    spec = getattr(speculator, "planner", speculator)  # an older tree plans in the speculator
     spec.draft_length.estimates.rates[:] = 0.0  # plain steps are the best choice
     spec.draft_length.costs.switch = 1e6  # ms: no choice drafts with rows whose draft is behind (but probes)
     modes = ["streak", "fresh-pass"] if hasattr(spec, "reuse_streaks") else ["fresh-pass"]

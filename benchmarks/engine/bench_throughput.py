@@ -40,6 +40,7 @@ from benchmarks.common import (
     write_config,
 )
 from thinkspec import LLM
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.layers import gemv_triton, pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear, MergedLinear
@@ -211,8 +212,9 @@ def main() -> None:
         del llm, plain
         for length in [float(x) for x in args.acceptance_lengths.split(",") if x]:
             rate = rate_for_acceptance_length(length, args.k)
-            spec = {"model": str(ddir), "num_speculative_tokens": args.k, "synthetic_acceptance_rate": rate}
+            spec = {"model": str(ddir), "num_speculative_tokens": args.k}
             llm = LLM(tdir, speculative_config=spec, **common)
+            install_synthetic_acceptance(llm, rate=rate)
             for b in batches:
                 seconds, al, step_times = time_thinkspec(llm, all_prompts[:b].tolist(), args.output_len)
                 record(

@@ -29,7 +29,6 @@ draft modes run one after the other. Writes JSON (--out) and prints a table last
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
 import json
 import signal
@@ -58,6 +57,7 @@ from benchmarks.common import (
     write_config,
 )
 from thinkspec import LLM
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 
 TARGETS = {"llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B}
 K = 4
@@ -262,7 +262,7 @@ def run_spec(
     for mode in args.draft_modes.split(","):
         if mode not in ("tp", "replicated"):
             raise SystemExit(f"--draft-modes: {mode!r} is neither 'tp' nor 'replicated'")
-        spec = {"model": str(draft), "num_speculative_tokens": K, "synthetic_acceptance_rate": 0.5}
+        spec = {"model": str(draft), "num_speculative_tokens": K}
         llm = LLM(
             str(target), tensor_parallel_size=args.tp,
             draft_tensor_parallel_size=args.tp if mode == "tp" else 1,
@@ -270,10 +270,8 @@ def run_spec(
         )  # fmt: skip
         try:
             result.setdefault("floor_ms_per_step", rank0_weight_bytes(llm) / args.bandwidth * 1e3)
-            speculator = llm.llm_engine.speculator
             for length in lengths:  # the synthetic rate lives on rank 0 only: one engine serves every AL
-                rate = rate_for_acceptance_length(length, K)
-                speculator.config = dataclasses.replace(speculator.config, synthetic_acceptance_rate=rate)
+                install_synthetic_acceptance(llm, rate=rate_for_acceptance_length(length, K))
                 for b, s in time_batches(llm, prompts, batches, args).items():
                     row = {"part": "spec", "tp": args.tp, "draft": mode, "acceptance_length": length,
                            "measured_acceptance_length": llm.last_spec_metrics.mean_acceptance_length(),

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
 from thinkspec import LLM, SamplingParams
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.engine import speculator as speculator_module
 from thinkspec.spec_decode.draft_length import GROUPS, ForcedDraftLength
 from thinkspec.spec_decode.draft_model import draft_lag
@@ -234,7 +235,7 @@ def start_cycles(engine, k: int, cycle: int) -> None:
     else none; steps run until the next one makes choice 1, which starts a cycle (the prefill step
     makes no choice; choice 0 drafts with the draft in step)."""
     policy = ForcedDraftLength(k, lambda step, counts: np.full(len(GROUPS), k if step % cycle == 0 else 0))
-    engine.speculator.draft_length = policy
+    engine.speculator.planner.draft_length = policy
     while policy.num_choices != 1:
         engine.step(finished_only=True)
 
@@ -275,13 +276,14 @@ def main() -> None:
         if args.spec:
             draft = write_config(Path(tmp) / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
             engine_args["speculative_config"] = {
-                "model": str(draft), "num_speculative_tokens": args.spec,
-                "synthetic_acceptance_rate": args.spec_rate, "adaptive_k": bool(args.switch),
+                "model": str(draft), "num_speculative_tokens": args.spec, "adaptive_k": bool(args.switch),
             }  # fmt: skip
         if args.switch:  # one engine step per choice, so the cycles' steps are known by number
             engine_args["async_scheduling"] = False
         # --engine-args overrides, e.g. '{"max_model_len": 32768}' (split-KV follows max_model_len)
         llm = LLM(folder, **{**engine_args, **json.loads(args.engine_args)})
+        if args.spec:
+            install_synthetic_acceptance(llm, rate=args.spec_rate)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(
@@ -338,7 +340,7 @@ def main() -> None:
     switch = None
     if args.switch:
         steady = ForcedDraftLength.fixed(args.spec, args.spec)
-        engine.speculator.draft_length = steady
+        engine.speculator.planner.draft_length = steady
         for _ in range(2):  # the first of them catches the draft up over the last cycle's plain steps
             engine.step(finished_only=True)
         walls = []

@@ -2,7 +2,7 @@
 
 Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, dummy bf16 weights, --batch-size requests of
 --prompt-len random tokens and --output-len output tokens (greedy, EOS ignored). Acceptance is
-synthetic (SpeculativeConfig.synthetic_acceptance_profile), one constant conditional rate per
+synthetic (thinkspec.bench.synthetic, a profile), one constant conditional rate per
 phase chosen so that a round drafting all K = --k-max positions has the acceptance length asked:
 
   good  thinking AL 4.6, answer AL 2.5, the first 90% of each request's tokens thinking
@@ -86,6 +86,7 @@ from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts, run_cell
 from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
 from thinkspec.bench.sweep import RelaxSetting
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds, quiet_heap
 from thinkspec.spec_decode.draft_length import (
     ANSWER,
@@ -118,8 +119,8 @@ def constant_rate_shares(al: float, k: int) -> list[float]:
 
 
 def synthetic_profile(name: str, k: int, output_len: int, seed: int | None = None) -> dict:
-    """The profile's SpeculativeConfig.synthetic_acceptance_profile; seed: its draws' (None: the
-    engine's generator)."""
+    """The profile install_synthetic_acceptance takes; seed: its draws' (None: the wrapper's
+    generator)."""
     thinking_al, answer_al, share = PROFILES[name]
     return {
         "thinking": constant_rate_shares(thinking_al, k),
@@ -132,11 +133,9 @@ def synthetic_profile(name: str, k: int, output_len: int, seed: int | None = Non
 def use(llm: LLM, profile: dict | None, chooser) -> None:
     """Point the speculating engine at a profile (None: real acceptance, the toy pair) and a
     draft-length policy (benchmark only)."""
-    spec = llm.llm_engine.speculator
     if profile is not None:
-        spec.config.synthetic_acceptance_profile = profile
-        spec._synthetic_table = None  # rebuilt from the profile on the next step
-    spec.draft_length = chooser
+        install_synthetic_acceptance(llm, profile=profile)
+    llm.llm_engine.speculator.planner.draft_length = chooser
 
 
 def timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> Sample:
@@ -200,16 +199,23 @@ def vocab_size(args) -> int:
 
 
 def spec_config(args, ddir: Path, k: int, adaptive: bool) -> dict:
-    """Speculative config of a K = k engine: the toy pair relaxed, else the good synthetic draft."""
+    """Speculative config of a K = k engine: the toy pair relaxed (spec_engine adds the synthetic draft's
+    acceptance otherwise)."""
     cfg: dict[str, Any] = {"model": str(ddir), "num_speculative_tokens": k}
     if adaptive:
         cfg["adaptive_k"] = True
     if args.toy:
         ratio, top_k = args.relax
         cfg.update(reasoning_parser="qwen3", relaxed_thinking=True, relax_ratio=ratio, relax_top_k=top_k)
-    else:
-        cfg["synthetic_acceptance_profile"] = synthetic_profile("good", k, args.output_len)
     return cfg
+
+
+def spec_engine(args, tdir: Path, ddir: Path, k: int, adaptive: bool, common: dict[str, Any]) -> LLM:
+    """A K = k engine (spec_config): the toy pair, else the good synthetic draft's acceptance."""
+    llm = LLM(tdir, speculative_config=spec_config(args, ddir, k, adaptive), **common)
+    if not args.toy:
+        install_synthetic_acceptance(llm, profile=synthetic_profile("good", k, args.output_len))
+    return llm
 
 
 def build_engines(args, tmp: Path, max_batch: int) -> dict[str, LLM]:
@@ -231,11 +237,9 @@ def build_engines(args, tmp: Path, max_batch: int) -> dict[str, LLM]:
         )  # fmt: skip
     common.update(json.loads(args.engine_args))  # e.g. '{"async_scheduling": true}'
     engines = {"plain": LLM(tdir, **common)}
-    engines["spec"] = LLM(tdir, speculative_config=spec_config(args, ddir, args.k_max, True), **common)
+    engines["spec"] = spec_engine(args, tdir, ddir, args.k_max, True, common)
     if args.check_k:
-        engines["check"] = LLM(
-            tdir, speculative_config=spec_config(args, ddir, args.check_k, False), **common
-        )
+        engines["check"] = spec_engine(args, tdir, ddir, args.check_k, False, common)
     return engines
 
 
@@ -537,7 +541,7 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
                 if chooser is not None:
                     chooser.trace = []  # the choices of this run (the last repetition's are kept)
                 llm, run = sample(cell, b, r)  # every cell of a repetition meets the same hard tokens
-                policy = llm.llm_engine.speculator.draft_length if cell[2] == "spec" else None
+                policy = llm.llm_engine.speculator.planner.draft_length if cell[2] == "spec" else None
                 if policy is not None:
                     policy.steps = []  # this run's timed steps (the last repetition's are kept)
                 out = timed_sample(llm, run, what)
@@ -661,7 +665,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engines = build_engines(args, Path(tmp), max(batches))
         result = describe(args, engines, device)
-        adaptive = engines["spec"].llm_engine.speculator.draft_length
+        adaptive = engines["spec"].llm_engine.speculator.planner.draft_length
         assert isinstance(adaptive, AdaptiveDraftLength)
         profiles = ("toy",) if args.toy else tuple(PROFILES)
         choosers = {prof: AdaptiveDraftLength(args.k_max, adaptive.costs) for prof in profiles}

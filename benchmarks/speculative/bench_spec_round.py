@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
 from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, sync, write_config
+from thinkspec.bench.synthetic import check_synthetic, steer_runner
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
 from thinkspec.engine.cuda_graph import GraphSpec, graph_batch_sizes
@@ -155,13 +156,12 @@ def run_batch(args, target, tinfo, draft, dinfo, draft_dir: Path, batch: int, de
         seq = Sequence(str(b), prompt, params, has_draft=True)
         bm.allocate(seq, total_tokens)
         seqs.append(seq)
-    cfg = SpeculativeConfig(
-        model=str(draft_dir), num_speculative_tokens=k, synthetic_acceptance_rate=args.rate
-    )
+    cfg = SpeculativeConfig(model=str(draft_dir), num_speculative_tokens=k)
     spec = Speculator(
         cfg, target_runner=runners[0], draft_runner=runners[1], reasoning=None,
         sampler=Sampler(0, device), vocab_size=tinfo.vocab_size, max_model_len=total_tokens + k, seed=0,
     )  # fmt: skip
+    steer_runner(runners[0], *check_synthetic(args.rate, None, k), seed=0)  # acceptance at --rate
     scheduler = Scheduler(
         bm, max_num_seqs=batch, max_num_batched_tokens=batch * args.prompt_len, max_model_len=total_tokens + k
     )

@@ -2,7 +2,7 @@
 
 Qwen3-8B-shaped target and Qwen3-0.6B-shaped draft, dummy bf16 weights. For each chosen sweep cell
 the engine replays the cell's measured acceptance (per phase and draft position, and its thinking
-share) through SpeculativeConfig.synthetic_acceptance_profile, at each batch size, with --batch-size
+share) through a synthetic acceptance profile (thinkspec.bench.synthetic), at each batch size, with --batch-size
 requests of --prompt-len random tokens and --output-len output tokens (EOS ignored, greedy). Next to
 it, in the same run:
   - the step costs of bench_spec_round.py at each batch size (plain step, draft step, verify),
@@ -44,6 +44,7 @@ from thinkspec.bench.projection import (
     project,
     simulate_batch,
 )
+from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds
 
 
@@ -63,11 +64,11 @@ def measure_costs(args: Namespace, batches: list[int]) -> list[StepCosts]:
 
 
 def synthetic_profile(p: AcceptanceProfile, output_len: int) -> dict:
-    """The engine's synthetic_acceptance_profile replaying `p` over output_len tokens."""
+    """The synthetic acceptance profile (install_synthetic_acceptance) replaying `p` over output_len tokens."""
 
     def shares(rates: tuple[float, ...]) -> list[float]:
         out, low = [], 1.0
-        for a in rates:  # non-increasing, as the config requires (counts make it so up to rounding)
+        for a in rates:  # non-increasing, as install_synthetic_acceptance requires (counts make it so up to rounding)
             low = min(low, max(0.0, float(a)))
             out.append(low)
         return out
@@ -124,9 +125,9 @@ def main() -> None:
         )  # fmt: skip
         engines = {"no speculation": LLM(tdir, **common)}
         for n in names:
-            spec = {"model": str(ddir), "num_speculative_tokens": args.k,
-                    "synthetic_acceptance_profile": synthetic_profile(profiles[n], L)}  # fmt: skip
+            spec = {"model": str(ddir), "num_speculative_tokens": args.k}
             engines[n] = LLM(tdir, speculative_config=spec, **common)
+            install_synthetic_acceptance(engines[n], profile=synthetic_profile(profiles[n], L))
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, vocab, (max(batches), args.prompt_len), generator=gen).tolist()
         for llm in engines.values():  # warm at every timed shape (twice: the second hits the prefix cache)

@@ -9,7 +9,7 @@ once. This benchmark times the same greedy generate call in engines that differ 
   adaptive                target + draft, adaptive_k (K = --k-max), relaxed thinking, as bench_adaptive --toy
   adaptive-no-probe       the same, its probes out of plain decoding off (PLAIN_PROBE_PERIOD while it runs)
   adaptive-fresh-pass     the same, every plain step taking the chooser's per-row pass (no streak of plain
-                          steps reusing the last choice: Speculator.reuse_streaks off)
+                          steps reusing the last choice: DraftPlanner.reuse_streaks off)
   adaptive-no-bookkeeping the same engine with the chooser's work on its plain decode steps replaced by
                           "plain": no choice, no step timing, no draft-length counts; a step with a
                           prefill still goes through the chooser and the speculator, which runs the draft
@@ -49,8 +49,8 @@ from benchmarks.common import toy_adaptive_config
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts
 from thinkspec.bench.datasets import load_dataset
-from thinkspec.engine.speculator import _decode_rows
 from thinkspec.spec_decode import draft_length
+from thinkspec.spec_decode.planner import decode_rows
 from thinkspec.toy.assets import resolve_model_path
 
 MODES = (
@@ -79,11 +79,11 @@ def build(mode: str, args) -> LLM:
     llm = LLM(target, speculative_config=toy_adaptive_config(args.k_max), **kw)
     engine = llm.llm_engine
     if mode == "adaptive-fresh-pass":
-        engine.speculator.reuse_streaks = False
+        engine.speculator.planner.reuse_streaks = False
     elif mode in ("adaptive-no-bookkeeping", "adaptive-plain-only"):
         if not engine.async_scheduling:
             raise SystemExit(f"{mode} needs async scheduling (CUDA, or --engine-args)")
-        _stub_plain_steps(engine.speculator, prefills_too=mode == "adaptive-plain-only")
+        _stub_plain_steps(engine.speculator.planner, prefills_too=mode == "adaptive-plain-only")
     elif mode == "adaptive-no-speculator":
         engine.speculator, engine._adaptive = None, False
     return llm
@@ -96,7 +96,7 @@ def _stub_plain_steps(spec, prefills_too: bool) -> None:
     stubbed = [False]
 
     def stub_plan(seqs, num_new, sample_mask) -> bool:
-        decoding = len(_decode_rows(seqs, num_new, sample_mask)) == len(seqs)  # the engine's own rule
+        decoding = len(decode_rows(seqs, num_new, sample_mask)) == len(seqs)  # the engine's own rule
         stubbed[0] = prefills_too or decoding
         return True if stubbed[0] else plan(seqs, num_new, sample_mask)
 
