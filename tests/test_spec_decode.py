@@ -695,7 +695,8 @@ def test_synthetic_acceptance_rate(target, draft, rate):
     """The engine's own acceptance, steered by the synthetic draws (bench/synthetic.py), accepts every
     draft at rate 1 and none at 0."""
     llm = LLM(target, device="cpu", speculative_config={"model": str(draft), "num_speculative_tokens": K})
-    install_synthetic_acceptance(llm, rate=rate)
+    steer = install_synthetic_acceptance(llm, rate=1.0 - rate)
+    assert install_synthetic_acceptance(llm, rate=rate) is steer  # settings replaced, never steered twice
     llm.generate(
         [[72, 105, 33]] * 3, SamplingParams(temperature=0, max_tokens=41, ignore_eos=True), use_tqdm=False
     )

@@ -2,7 +2,7 @@
 
 Qwen3-8B-shaped target and Qwen3-0.6B-shaped draft, dummy bf16 weights. For each chosen sweep cell
 the engine replays the cell's measured acceptance (per phase and draft position, and its thinking
-share) through a synthetic acceptance profile (thinkspec.bench.synthetic), at each batch size, with --batch-size
+share) through a synthetic profile (thinkspec.bench.synthetic), at each batch size, with --batch-size
 requests of --prompt-len random tokens and --output-len output tokens (EOS ignored, greedy). Next to
 it, in the same run:
   - the step costs of bench_spec_round.py at each batch size (plain step, draft step, verify),
@@ -64,11 +64,12 @@ def measure_costs(args: Namespace, batches: list[int]) -> list[StepCosts]:
 
 
 def synthetic_profile(p: AcceptanceProfile, output_len: int) -> dict:
-    """The synthetic acceptance profile (install_synthetic_acceptance) replaying `p` over output_len tokens."""
+    """The synthetic acceptance profile (install_synthetic_acceptance) replaying `p` over output_len
+    tokens."""
 
     def shares(rates: tuple[float, ...]) -> list[float]:
         out, low = [], 1.0
-        for a in rates:  # non-increasing, as install_synthetic_acceptance requires (counts make it so up to rounding)
+        for a in rates:  # non-increasing, as the profile must be (counts make it so up to rounding)
             low = min(low, max(0.0, float(a)))
             out.append(low)
         return out

@@ -119,12 +119,14 @@ class SyntheticAcceptance:
         start_positions: Seq[int] | None = None,
         device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """ModelRunner.execute_model, then the steering (logits [N, V] float32, edited in place)."""
+        """ModelRunner.execute_model, then the steering (logits [N, V] float32, edited in place) of a
+        forward that may verify: inputs given, positions not (the speculator's target forward)."""
         logits = self.inner(
             seqs, num_new_tokens, num_logits, input_token_ids=input_token_ids,
             start_positions=start_positions, device_inputs=device_inputs,
         )  # fmt: skip
-        if input_token_ids is not None and (self.rate is not None or self.profile is not None):
+        verifies = input_token_ids is not None and start_positions is None
+        if verifies and (self.rate is not None or self.profile is not None):
             self._steer(logits, seqs, num_new_tokens, num_logits, input_token_ids, device_inputs)
         return logits
 
@@ -231,11 +233,21 @@ def install_synthetic_acceptance(
         which = "rate" if rate is not None else "profile"
         raise ValueError(f"{_OWNER}.{which} needs a speculative method (speculative_config)")
     rate, profile = check_synthetic(rate, profile, spec.k)
-    runner = spec.target_runner
+    first = not isinstance(spec.target_runner.execute_model, SyntheticAcceptance)
+    steer = steer_runner(spec.target_runner, rate, profile, engine.config.seed)
+    if first:
+        steer.follow_phase(engine.scheduler)
+    return steer
+
+
+def steer_runner(
+    runner: Any, rate: float | None, profile: dict[str, Any] | None, seed: int
+) -> SyntheticAcceptance:
+    """The wrapper in runner.execute_model, put there unless it is (then only given the settings, so
+    that draws are never steered twice); rate and profile as check_synthetic returns them. For a
+    speculator built without an engine; install_synthetic_acceptance also follows the profile's phase."""
     steer = runner.execute_model
     if not isinstance(steer, SyntheticAcceptance):
-        steer = SyntheticAcceptance(runner.execute_model, engine.config.seed)
-        runner.execute_model = steer
-        steer.follow_phase(engine.scheduler)
+        steer = runner.execute_model = SyntheticAcceptance(runner.execute_model, seed)
     steer.configure(rate, profile)
     return steer

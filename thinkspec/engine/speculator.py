@@ -3,7 +3,7 @@
 Stages of `Speculator.step`, in order, each a call:
   propose        _propose: the draft lengths (adaptive_k: DraftPlanner, spec_decode/planner.py), then the
                  proposer drafts up to k tokens for each decode sequence (Proposal)
-  build          VerifyBatch.build (engine/verify_batch.py): what the target computes for every sequence
+  build          _build_verify_batch: VerifyBatch (engine/verify_batch.py), what the target computes
   run target     _run_target: one forward; prefill chunks and plain rows ride along with the windows
   split logits   _split_logits: plain rows, and the windows padded to [S, k+1, V] (windows_of)
   verify         _sample_plain samples the plain rows; _verify: relax mask from the phase tracker, then
@@ -148,7 +148,7 @@ class Speculator:
         choice, spec_index, proposal = self._propose(sched, sample_mask)
         k = proposal.draft_token_ids.shape[1]  # this step's window: k + 1 rows per speculating sequence
         prompt_rows = PromptRows.build(seqs, sched.num_new_tokens, sample_mask)
-        batch = VerifyBatch.build(sched, sample_mask, spec_index, proposal, prompt_rows)
+        batch = self._build_verify_batch(sched, sample_mask, spec_index, proposal, prompt_rows)
         logits = self._run_target(seqs, batch)  # [N, V] float32
         plain_rows, target = self._split_logits(logits, batch, k, sample_mask)
         decided = self._sample_plain(logits, plain_rows, batch, sample_mask, seqs)
@@ -190,6 +190,18 @@ class Speculator:
         if choice is not None:
             proposal = proposal.narrow(max(1, max(proposal.num_drafts, default=1)))
         return choice, spec_index, proposal
+
+    @staticmethod
+    def _build_verify_batch(
+        sched: SchedulerOutput,
+        sample_mask: list[bool],
+        spec_index: list[int],
+        proposal: Proposal,
+        prompt_rows: PromptRows | None,
+    ) -> VerifyBatch:
+        """build: what the target computes for every scheduled sequence (VerifyBatch.build; a stage of
+        its own, so that profilers can time it by its name)."""
+        return VerifyBatch.build(sched, sample_mask, spec_index, proposal, prompt_rows)
 
     def _run_target(self, seqs: list[Sequence], batch: VerifyBatch) -> torch.Tensor:
         """run target: one forward of every scheduled sequence's inputs; logits [N, V] float32."""
@@ -289,7 +301,7 @@ class Speculator:
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.is_greedy for p in params)
         rows = VerifyRows(
-            [VerifyRows.row(n, s, _budget(p), 0) for n, s, p in zip(proposal.num_drafts, seqs, params)],
+            [VerifyRows.row(n, s, _budget(p)) for n, s, p in zip(proposal.num_drafts, seqs, params)],
             self.device,
         )
         num_drafts, thinking = rows.num_drafts, rows.thinking

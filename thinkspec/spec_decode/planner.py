@@ -130,6 +130,7 @@ class DraftPlanner:
         self.inputs = inputs
         self.k = inputs.k
         self.has_draft_model = inputs.draft_runner is not None
+        self.metrics = inputs.metrics  # the engine's counters (SpecDecodeMetrics), the speculator's too
         # chooses each step's draft lengths; None (adaptive_k off) drafts k every step
         self.draft_length: AdaptiveDraftLength | ForcedDraftLength | None = None
         # (start, builds then, row_ks or a plain step's rows, context tokens, whether a switch) of the last
@@ -357,7 +358,7 @@ class DraftPlanner:
         plan, self._plan = self._plan, None
         assert plan is not None
         row_ks = plan.choice[3]
-        metrics = self.inputs.metrics
+        metrics = self.metrics
         if plan.choice[0]:
             metrics.observe_draft_lengths(row_ks, np.array(plan.thinking, dtype=bool))
         else:  # the plain step (every row 0): no numpy on this path, it runs before every plain step
