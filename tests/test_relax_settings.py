@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from checkpoints import THINK_ID, noisy_copy, tiny_checkpoint
 
 from thinkspec import LLM, SamplingParams
@@ -70,3 +71,24 @@ def test_engine_refuses_a_request_whose_relax_settings_would_be_ignored(tmp_path
     assert outs[0].outputs[0].finish_reason == "error" and "relaxed_thinking" in outs[0].error
     assert "relax_ratio, relax_top_k" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 6
+
+
+def test_verify_rows_read_back_each_request_by_name():
+    # A verify step's per-request numbers cross to the device in one tensor; each named column must
+    # read back what its request put in.
+    from thinkspec.engine.sequence import Sequence
+    from thinkspec.engine.verify_rows import VerifyRows
+
+    relaxed = RelaxSettings(True, 0.25, 8, 0.5)
+    a = Sequence(
+        "a", [1, 2], SamplingParams(temperature=0), relax=relaxed, thinking=True, num_thinking_tokens=7
+    )
+    b = Sequence("b", [3], SamplingParams(temperature=0.7, thinking_token_budget=40))
+    rows = VerifyRows([VerifyRows.row(3, a, -1), VerifyRows.row(0, b, 40)], torch.device("cpu"))
+    assert rows.dev.shape == (2, 9) and rows.dev.dtype == torch.float64
+    assert rows.num_drafts.tolist() == [3, 0] and rows.num_drafts.dtype == torch.int64
+    assert rows.relax_on.tolist() == [True, False]
+    assert rows.ratio.tolist() == [0.25, 1.0] and rows.top_k.tolist() == [8, 1]
+    assert rows.delta[0].item() == 0.5 and math.isnan(rows.delta[1].item())
+    assert rows.thinking.tolist() == [True, False] and rows.thinking_tokens.tolist() == [7, 0]
+    assert rows.temperature.tolist() == [0.0, 1.0] and rows.budget.tolist() == [-1, 40]

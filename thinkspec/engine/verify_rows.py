@@ -16,18 +16,7 @@ class VerifyRows:
     here exactly (all < 2**53)."""
 
     # Column indices, in `row`'s order.
-    (
-        NUM_DRAFTS,
-        RELAX_ON,
-        RATIO,
-        TOP_K,
-        DELTA,
-        THINKING,
-        SAMPLED,
-        THINKING_TOKENS,
-        BUDGET,
-        PROFILE_THINKING,
-    ) = range(10)
+    NUM_DRAFTS, RELAX_ON, RATIO, TOP_K, DELTA, THINKING, SAMPLED, THINKING_TOKENS, BUDGET = range(9)
 
     __slots__ = ("dev",)
 
@@ -35,15 +24,14 @@ class VerifyRows:
         self.dev = torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)  # [S, C]
 
     @staticmethod
-    def row(num_drafts: int, seq: Sequence, budget: int, profile_tokens: int) -> tuple[float, ...]:
+    def row(num_drafts: int, seq: Sequence, budget: int) -> tuple[float, ...]:
         """One request's row: its drafts this step, its resolved relax settings, its phase, whether it
-        samples, its thinking tokens and budget (-1 = none), and whether it is still within the
-        synthetic profile's first `profile_tokens` (thinking) output tokens."""
+        samples, its thinking tokens and its thinking budget (-1 = none)."""
         relax = seq.relax
         return (
             float(num_drafts), float(relax.enabled), relax.ratio, float(relax.top_k), relax.delta,
             float(seq.thinking), float(not seq.sampling_params.is_greedy), float(seq.num_thinking_tokens),
-            float(budget), float(seq.num_output_tokens < profile_tokens),
+            float(budget),
         )  # fmt: skip
 
     @property
@@ -81,7 +69,3 @@ class VerifyRows:
     @property
     def budget(self) -> torch.Tensor:  # [S] int64, -1 = none
         return self.dev[:, self.BUDGET].long()
-
-    @property
-    def profile_thinking(self) -> torch.Tensor:  # [S] bool
-        return self.dev[:, self.PROFILE_THINKING].bool()
