@@ -55,9 +55,9 @@ def test_deltas_join_to_the_full_decode(skip, clean_up):
 def test_toy_tokenizer_fast_path_matches_the_wrapper():
     from transformers import AutoTokenizer
 
-    from thinkspec.toy.assets import resolve_model_path
+    from thinkspec.model_names import resolve_model_name
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("toy-reasoner"))
+    tok = AutoTokenizer.from_pretrained(resolve_model_name("toy-reasoner"))
     rng = random.Random(3)
     ids = [rng.randrange(len(tok)) for _ in range(500)]
     for skip in (True, False):
@@ -72,9 +72,9 @@ def test_toy_tokenizer_fast_path_matches_the_wrapper():
 def _toy_tokenizer():
     from transformers import AutoTokenizer
 
-    from thinkspec.toy.assets import resolve_model_path
+    from thinkspec.model_names import resolve_model_name
 
-    return AutoTokenizer.from_pretrained(resolve_model_path("toy-reasoner"))
+    return AutoTokenizer.from_pretrained(resolve_model_name("toy-reasoner"))
 
 
 def _byte_fallback_tokenizer():

@@ -599,8 +599,8 @@ def test_adaptive_plain_steps_run_ahead_with_async_scheduling(caplog):
 def test_adaptive_greedy_on_cuda_equals_plain_on_the_toy_pair(policy):
     """The bundled toy pair on CUDA, fp32, CUDA graphs: adaptive_k (and k forced to vary per step and
     phase group, so graph widths 1..K+1 and mixed windows all run) emits plain greedy's tokens."""
+    from thinkspec.model_names import TOY_MODELS
     from thinkspec.spec_decode.draft_length import ForcedDraftLength
-    from thinkspec.toy.assets import TOY_MODELS
     from thinkspec.toy.task import generate_samples
 
     prompts = [s.prompt for s in generate_samples(12, seed=20261201)]
@@ -625,7 +625,7 @@ def test_adaptive_greedy_on_cuda_equals_plain_on_the_toy_pair(policy):
 def test_cost_model_measured_from_graph_replays_writes_no_kv():
     """measure_costs times the captured graphs on dummy inputs: every width 1..K+1 of the target
     and the draft step, at each bucket up to the batch; the KV pools are untouched."""
-    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.model_names import TOY_MODELS
 
     cfg = {"model": str(TOY_MODELS["toy-reasoner-draft"]), "num_speculative_tokens": K, "adaptive_k": True}
     llm = LLM(TOY_MODELS["toy-reasoner"], device="cuda", gpu_memory_utilization=0.3, speculative_config=cfg)

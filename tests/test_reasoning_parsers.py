@@ -336,9 +336,9 @@ def test_start_rule_is_validated():
 def _toy_tokenizer():
     from transformers import AutoTokenizer
 
-    from thinkspec.toy.assets import resolve_model_path
+    from thinkspec.model_names import resolve_model_name
 
-    return AutoTokenizer.from_pretrained(resolve_model_path("toy-reasoner"))
+    return AutoTokenizer.from_pretrained(resolve_model_name("toy-reasoner"))
 
 
 def _random_outputs(tok, rng, n):

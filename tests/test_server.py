@@ -536,7 +536,7 @@ def test_add_failure_fails_one_request_only(local_engine):
 
 @pytest.mark.slow
 def test_toy_pair_speculative_relaxed_stream_matches():
-    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.model_names import TOY_MODELS
     from thinkspec.toy.task import generate_samples
 
     missing = [name for name, path in TOY_MODELS.items() if not (path / "config.json").is_file()]

@@ -195,7 +195,7 @@ def test_api_keys_from_flags_else_environment():
 def toy_server(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.model_names import TOY_MODELS
 
     template = AutoTokenizer.from_pretrained(str(TOY_MODELS["toy-reasoner"])).chat_template
     template_file = tmp_path_factory.mktemp("tpl") / "chat.jinja"
@@ -253,7 +253,7 @@ def test_official_client_end_to_end(toy_server):
     import httpx
     from transformers import AutoTokenizer
 
-    from thinkspec.toy.assets import TOY_MODELS
+    from thinkspec.model_names import TOY_MODELS
 
     headers = {"Authorization": f"Bearer {key}"}
     tok = httpx.post(f"{url}/tokenize", json={"model": "toy", "messages": messages}, headers=headers).json()

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from server_process import serve_process  # noqa: E402
 
-from thinkspec.toy.assets import TOY_MODELS  # noqa: E402
+from thinkspec.model_names import TOY_MODELS  # noqa: E402
 
 SHUTDOWN_TIMEOUT_S = 3.0
 

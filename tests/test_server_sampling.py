@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 from server_process import serve_process  # noqa: E402
 
-from thinkspec.toy.assets import TOY_MODELS  # noqa: E402
+from thinkspec.model_names import TOY_MODELS  # noqa: E402
 
 MODEL = "toy"
 TARGET = TOY_MODELS["toy-reasoner"]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from thinkspec import LLM, SamplingParams
+from thinkspec.model_names import resolve_model_name
 from thinkspec.reasoning import PhaseTracker
 from thinkspec.reasoning.tracker import force_token
-from thinkspec.toy.assets import resolve_model_path
 
 PROMPTS = ["Sam has 12 apples. He buys 30 more. How many apples does Sam have now?",
            "Mia has 250 coins. She loses 75. How many coins does Mia have now?"]  # fmt: skip
-DRAFT = {"model": resolve_model_path("toy-reasoner-draft"), "num_speculative_tokens": 4}
+DRAFT = {"model": resolve_model_name("toy-reasoner-draft"), "num_speculative_tokens": 4}
 MODES = {
     "plain": {},
     "plain_async": {"async_scheduling": True},
@@ -27,7 +27,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def llms():
-    target = resolve_model_path("toy-reasoner")
+    target = resolve_model_name("toy-reasoner")
     return {name: LLM(target, reasoning_parser="qwen3", device="cpu", **kw) for name, kw in MODES.items()}
 
 
@@ -88,7 +88,7 @@ def test_budget_holds_when_sampling(llms):
 
 
 def test_budget_needs_a_reasoning_parser():
-    llm = LLM(resolve_model_path("toy-reasoner"), device="cpu")
+    llm = LLM(resolve_model_name("toy-reasoner"), device="cpu")
     out = llm.generate("hi", SamplingParams(thinking_token_budget=5), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "error" and "needs a reasoning parser" in out.error
 

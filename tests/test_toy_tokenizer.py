@@ -104,9 +104,9 @@ def test_bad_vocab_size_raises():
 def test_easy_text_splits_as_the_bundled_tokenizer_does(tok):
     # The tokenizer is now learnt on the training range too; easy text must still split into the same
     # pieces (every word one token, every digit its own), whatever the ids.
-    from thinkspec.toy.assets import resolve_model_path
+    from thinkspec.model_names import resolve_model_name
 
-    bundled = AutoTokenizer.from_pretrained(resolve_model_path("toy-reasoner"))
+    bundled = AutoTokenizer.from_pretrained(resolve_model_name("toy-reasoner"))
     for s in generate_samples(100, seed=77):
         ids = tok(s.text, add_special_tokens=False)["input_ids"]
         old = bundled(s.text, add_special_tokens=False)["input_ids"]
