@@ -2,7 +2,7 @@
 # Trains the bundled toy reasoner pair (target, draft, draft-strong) on the difficulty range, measures
 # it and packs what the model card needs. Meant for one H200 in about 8 minutes:
 #   1. the target trains for T_BUDGET s (after building its tokenizer and data);
-#   2. both drafts train side by side while thinkspec.toy.difficulty measures the target's greedy
+#   2. both drafts train side by side while thinkspec.bench.difficulty measures the target's greedy
 #      accuracy on the easy level and on every hard candidate (stage grid);
 #   3. each draft's strict and relaxed cells run on easy and on the suggested hard level (stage drafts).
 # The measurements stop TOTAL_BUDGET s after the start (what still runs then is aborted and marked).
@@ -57,7 +57,7 @@ for spec in $DRAFTS; do
     --workers "$D_WORKERS" >"$WORK/train_$name.log" 2>&1 &
   pids+=($!); names+=("$name")
 done
-$PY -m thinkspec.toy.difficulty --target "$WORK/target" --stage grid --json "$OUT/analysis.json" \
+$PY -m thinkspec.bench.difficulty --target "$WORK/target" --stage grid --json "$OUT/analysis.json" \
   --n-easy "$N_EASY" --n-hard "$N_HARD" --time-budget-s "$(left "$GRID_RESERVE")" $ANALYZE_ARGS 2>&1 \
   | tee -a "$OUT/analysis.log" || failed+=(grid)
 log "grid done"
@@ -72,7 +72,7 @@ log "drafts done: ${trained[*]:-none}"
 if [ ${#trained[@]} -gt 0 ]; then
   draft_args=()
   for n in "${trained[@]}"; do draft_args+=(--draft "$WORK/$n"); done
-  $PY -m thinkspec.toy.difficulty --target "$WORK/target" "${draft_args[@]}" --stage drafts \
+  $PY -m thinkspec.bench.difficulty --target "$WORK/target" "${draft_args[@]}" --stage drafts \
     --json "$OUT/analysis.json" --n-spec-easy "$N_SPEC_EASY" --n-spec-hard "$N_SPEC_HARD" \
     --time-budget-s "$(left)" $ANALYZE_ARGS 2>&1 | tee -a "$OUT/analysis.log" || failed+=(drafts-analysis)
 fi
