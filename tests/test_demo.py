@@ -66,3 +66,26 @@ def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_sweep_shows_loading_and_warm_up_progress(capsys):
+    """The sweep's first minutes (loading both engines, graphs, warm-up runs) move a progress bar."""
+    from checkpoints import tiny_checkpoint
+
+    from thinkspec.bench.datasets import BenchItem
+    from thinkspec.bench.sweep import RelaxSetting, run_sweep
+
+    ckpt = str(tiny_checkpoint("qwen3", tied=True))
+    items = [BenchItem(prompt=f"q{i}", answer="0", grader=lambda text: False) for i in range(2)]
+    spec = {"model": ckpt, "num_speculative_tokens": 2, "reasoning_parser": "qwen3"}
+    result = run_sweep(
+        {"model": ckpt, "device": "cpu"}, spec, items, [RelaxSetting(relax_ratio=0.5, relax_top_k=2)],
+        max_tokens=4, repeats=1,
+    )  # fmt: skip
+    assert [c.name for c in result.cells] == ["T=0 no_spec", "T=0 strict", "T=0 r=0.5 k=2"]
+    err = capsys.readouterr().err
+    for stage in ("loading the plain engine", "loading the spec engine", "graphs of the spec engine",
+                  "warm-up run T=0 strict", "warm-up run T=0 r=0.5 k=2"):  # fmt: skip
+        assert stage in err, stage
+    # 2 engines loaded, 2 graph captures (none on CPU), 3 warm-up runs (no_spec, strict, relaxed).
+    assert "7/7" in err

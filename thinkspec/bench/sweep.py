@@ -182,12 +182,23 @@ def _run_plan(
     warmup, repeats = timing
     if not plan:
         return
+    from tqdm.auto import tqdm
+
     llms: dict[str, LLM] = {}
+    kinds = list(dict.fromkeys(_engine_kind(p) for p in plan))
+    # Warm-up: every engine, temperature and acceptance mode at full batch and length, untimed.
+    warm_groups = {(_engine_kind(p), p[1], p[0], p[3]): p for p in reversed(plan)} if warmup else {}
+    # Loading and warm-up take minutes on a CPU: one bar, a unit per engine loaded, per engine's
+    # graphs captured and per warm-up run.
+    total = len(kinds) * (2 if warmup else 1) + len(warm_groups)
+    bar = tqdm(total=total, desc="loading and warm-up", disable=not use_tqdm, dynamic_ncols=True)
     try:
-        for kind in dict.fromkeys(_engine_kind(p) for p in plan):
+        for kind in kinds:
+            bar.set_postfix_str(f"loading the {kind} engine")
             spec = None if kind == "plain" else strict_cfg
             llms[kind] = LLM(**engine_kwargs, speculative_config=spec)
             result.config["device"] = _device_name(llms[kind])
+            bar.update()
         prompts = {kind: format_prompts(llm, items) for kind, llm in llms.items()}
 
         def runner(planned: PlannedCell) -> Callable[[], CellResult]:
@@ -195,12 +206,16 @@ def _run_plan(
             llm, texts = llms[kind], prompts[kind]
             return lambda: _run_planned_cell(llm, items, texts, planned, max_tokens, seed, False)
 
-        if warmup:  # every engine, temperature and acceptance mode at full batch and length, untimed
-            for llm in llms.values():
+        if warmup:
+            for kind, llm in llms.items():
+                bar.set_postfix_str(f"graphs of the {kind} engine")
                 capture_graphs(llm, len(items))
-            warm_groups = {(_engine_kind(p), p[1], p[0], p[3]): p for p in reversed(plan)}
+                bar.update()
             for planned in warm_groups.values():
+                bar.set_postfix_str(f"warm-up run {_planned_name(planned)}")
                 runner(planned)()
+                bar.update()
+        bar.close()
         first = len(result.cells)
         result.cells += [None] * len(plan)  # type: ignore[list-item]  # filled as the cells finish
 
@@ -212,6 +227,7 @@ def _run_plan(
         cells = [(llms[_engine_kind(p)], runner(p)) for p in plan]
         run_round_robin(cells, repeats, keep, use_tqdm)
     finally:
+        bar.close()
         result.cells = [c for c in result.cells if c is not None]
         _release(llms)
 
