@@ -66,9 +66,15 @@ def test_llm_names_the_argument_that_is_wrong(tmp_path):
 
 
 @needs_toy
-def test_server_resolves_the_bundled_names(capsys):
+def test_server_resolves_the_bundled_names(capsys, monkeypatch):
     pytest.importorskip("fastapi")
     from thinkspec.entrypoints.cli import main
+    from thinkspec.llm import LLM
+
+    def no_llm(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the server builds its engine from EngineArgs, not through LLM")
+
+    monkeypatch.setattr(LLM, "__init__", no_llm)
 
     assert main(["serve", "toy-reasonr", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
