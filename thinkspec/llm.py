@@ -23,11 +23,13 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """A model plus engine for offline generation.
 
-    LLM(model, **kwargs): kwargs are EngineArgs fields (see thinkspec/engine_args.py for each one's
-    meaning and default), e.g. reasoning_parser="qwen3" or speculative_config={"method":
-    "draft_model", "model": PATH, "num_speculative_tokens": 4, "relaxed_thinking": True}. An unknown
-    name raises TypeError. When speculating, each RequestOutput's metrics.spec_decode holds that
-    request's counters and `last_spec_metrics` the whole last generate()/chat() call's.
+    LLM(model, **kwargs): model is a checkpoint folder, a hub id or a bundled name ("toy-reasoner",
+    "toy-reasoner-draft", also as speculative_config's model); kwargs are EngineArgs fields (see
+    thinkspec/engine_args.py for each one's meaning and default), e.g. reasoning_parser="qwen3" or
+    speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": 4,
+    "relaxed_thinking": True}. An unknown name raises TypeError. When speculating, each
+    RequestOutput's metrics.spec_decode holds that request's counters and `last_spec_metrics` the
+    whole last generate()/chat() call's.
 
     A request whose prompt cannot run (longer than max_model_len or the KV pool, empty, bad token
     ids) fails alone: its RequestOutput has `error` set and finish_reason "error"; the other
