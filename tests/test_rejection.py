@@ -107,6 +107,28 @@ def test_relaxed_greedy_matches_brute_force(k, v):
     assert res.output_token_ids.dtype == torch.int64 and res.num_accepted.dtype == torch.int64
 
 
+def test_relaxed_test_matches_brute_force():
+    # The library's relaxed test on its own (the toy analysis calls it): every element against
+    # the rule in Python floats.
+    gen = torch.Generator().manual_seed(99)
+    logits, drafts, _, _, ratio, top_k, delta = _random_greedy_batch(gen, 32, 3, 6)
+    d = drafts.clamp(0, 5)
+    got = rejection.relaxed_test(logits[:, :3], d, ratio, top_k, delta)
+    assert got.shape == (32, 3) and got.dtype == torch.bool and got.any() and not got.all()
+    for b in range(32):
+        for i in range(3):
+            row, t = logits[b, i].tolist(), int(d[b, i])
+            m = max(row)
+            lse = m + math.log(sum(math.exp(x - m) for x in row))
+            pd, pmax = math.exp(row[t] - lse), math.exp(m - lse)
+            want = (
+                row[t] > NEG_INF and sum(x > row[t] for x in row) < int(top_k[b])
+                and math.exp(row[t] - m) >= float(ratio[b])
+                and (math.isnan(float(delta[b])) or pmax - pd <= float(delta[b]))
+            )  # fmt: skip
+            assert bool(got[b, i]) == want, (b, i)
+
+
 def _toy_lm(v: int, ties: bool, seed: int) -> torch.Tensor:
     """Next-token logits table [V, V] float: row t = logits after token t."""
     gen = torch.Generator().manual_seed(seed)
@@ -220,6 +242,21 @@ def test_bad_inputs_raise(field, value, match):
     kw[field] = value
     with pytest.raises(ValueError, match=match):
         _rs(**kw)
+
+
+def test_all_greedy_promise_is_checked():
+    kw = _valid_inputs()
+    kw["temperature"] = torch.tensor([0.0, 0.5])
+    with pytest.raises(ValueError, match="all_greedy=True but some temperature is not 0"):
+        _rs(**kw, all_greedy=True)
+    assert _rs(**kw, all_greedy=False).num_accepted.shape == (2,)
+
+
+def test_batch_checks_shapes_when_built():
+    kw = _valid_inputs()
+    kw["relax_top_k"] = torch.ones(3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"relax_top_k must have shape \[2\], got \[3\]"):
+        AcceptanceBatch(**kw)
 
 
 def test_all_neg_inf_and_pos_inf_rows_raise():
