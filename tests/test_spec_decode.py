@@ -706,6 +706,42 @@ def test_synthetic_acceptance_rate(target, draft, rate):
     assert llm.last_spec_metrics.mean_acceptance_length() == (K + 1 if rate == 1.0 else 1.0)
 
 
+def test_synthetic_steering_edits_only_the_draft_rows_of_verify_windows():
+    """A window row whose draft passes makes it the row's unique argmax; one that fails puts it below the
+    row's max; plain rows, bonus rows and forwards given start positions (not the speculator's verify
+    forward) are left alone; drafts held on the device are read from device_inputs."""
+    from types import SimpleNamespace
+
+    from thinkspec.bench.synthetic import STEER, SyntheticAcceptance
+
+    base = torch.randn(6, 11)
+    base[1, 3] = base[1].max() + 1.0  # the failing draft is its row's argmax before the steering
+    # a plain decode row (1 logits row), then a window of 3 drafts [last, 3, 5, 7] (4 rows), then a
+    # prefill chunk of 4 tokens wanting its last row only
+    seqs = [SimpleNamespace(num_computed_tokens=9, num_tokens=10, num_output_tokens=2),
+            SimpleNamespace(num_computed_tokens=19, num_tokens=20, num_output_tokens=4),
+            SimpleNamespace(num_computed_tokens=0, num_tokens=4, num_output_tokens=0)]  # fmt: skip
+    num_new, num_logits = [1, 4, 4], [1, 4, 1]
+
+    def run(passes, device_inputs=None, start_positions=None, inputs=(9, 3, 5, 7)):
+        steer = SyntheticAcceptance(lambda *a, **kw: base.clone(), seed=0)
+        steer.configure(0.5, None)
+        steer.verdicts = lambda window_seqs, width: np.array([passes])  # [S=1, width]
+        ids = [[1], list(inputs), [1, 2, 3, 4]]
+        return steer(seqs, num_new, num_logits, ids, start_positions, device_inputs)
+
+    out = run([False, True, True])  # logits rows 1, 2, 3 score drafts 3, 5, 7; row 4 the bonus
+    assert out.shape == base.shape
+    changed = (out != base).nonzero().tolist()
+    assert changed == [[1, 3], [2, 5], [3, 7]]
+    assert out[1].argmax() != 3 and out[1, 3] == base[1].max() - STEER
+    assert out[2].argmax() == 5 and out[2, 5] == base[2].max() + STEER
+    assert out[3].argmax() == 7 and (out[3] == out[3].max()).sum() == 1
+    assert torch.equal(run([True] * 3, start_positions=[9, 19, 0]), base)  # no verify forward
+    on_device = (torch.tensor([2, 3, 4]), torch.tensor([3, 5, 7]))  # packed inputs 2..4 hold the drafts
+    assert torch.equal(run([False, True, True], on_device, inputs=(9, 0, 0, 0)), out)
+
+
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_synthetic_acceptance_steers_host_drafts_too(target, rate):
     """n-gram drafts reach the target as host inputs (no device_inputs): the steering finds them there.
