@@ -162,6 +162,24 @@ def test_serve_holds_its_port_from_before_loading(capsys, monkeypatch):
         again.bind(("127.0.0.1", seen["port"]))
 
 
+def test_serve_logs_the_speculation_settings(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from thinkspec.config import SpeculativeConfig
+    from thinkspec.entrypoints.openai.server import _log_speculation
+
+    spec = SpeculativeConfig.parse({"model": "toy-reasoner-draft", "num_speculative_tokens": 4})
+    with caplog.at_level(logging.INFO, logger="thinkspec"):
+        _log_speculation(SimpleNamespace(speculative_config=spec))
+        _log_speculation(SimpleNamespace(speculative_config=None))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("speculative decoding: {") and json.loads(lines[0].split(": ", 1)[1]) == {
+        "method": "draft_model", "model": "toy-reasoner-draft", "num_speculative_tokens": 4
+    }
+    assert lines[1] == "speculative decoding: off"
+
+
 @pytest.fixture(scope="module")
 def ckpt():
     return str(tiny_checkpoint("qwen3", tied=True))
