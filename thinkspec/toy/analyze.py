@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from thinkspec.config import validate_relax_fields
 from thinkspec.sampling.rejection import relaxed_test
 from thinkspec.toy.task import (
     LEVELS,
@@ -48,10 +49,8 @@ class Relax:
     top_k: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.ratio <= 1:
-            raise ValueError(f"relax ratio must be in [0, 1], got {self.ratio}")
-        if not 1 <= self.top_k <= 64:
-            raise ValueError(f"relax top_k must be in [1, 64], got {self.top_k}")
+        # The engine's own ranges and messages (Relax.relax_ratio / Relax.relax_top_k).
+        validate_relax_fields(relax_ratio=self.ratio, relax_top_k=self.top_k, owner="Relax")
 
 
 @dataclass(slots=True)
