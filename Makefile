@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for `make test`: one per core (nproc honours CPU affinity), at most 8
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 
 .PHONY: venv test lint demo clean
 
@@ -20,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check thinkspec tests scripts benchmarks
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS)
 
 demo: $(STAMP)
 	$(BIN)/thinkspec demo
