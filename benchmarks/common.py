@@ -96,12 +96,11 @@ def toy_adaptive_config(k_max: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """data as indented JSON at path (its folder created), with a line saying where."""
+def write_json(path: str | Path, data: Any, indent: int = 1) -> None:
+    """data as indented JSON at path, its folder created (a script's --out)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2))
-    print(f"wrote {out}")
+    out.write_text(json.dumps(data, indent=indent))
 
 
 # ---- timing ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import QWEN3_0_6B, QWEN3_8B, write_config
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, write_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.synthetic import install_synthetic_acceptance
 
@@ -120,7 +120,7 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k != "out"}  # the output path says nothing of the run
     report = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), device=torch.cuda.get_device_name(),
                   args=settings, rows=rows, decode_bs1_profile=kernel_profile(target))  # fmt: skip
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     print(json.dumps(report["decode_bs1_profile"]))
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import toy_adaptive_config
+from benchmarks.common import toy_adaptive_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine.sequence import Sequence
 from thinkspec.toy.assets import resolve_model_path
@@ -127,7 +126,7 @@ def main() -> None:
     report = {"device": device, "steps_per_chunk": args.steps, "chunks": args.chunks, "k_max": args.k_max,
               "tree_has_streaks": "streak" in modes, "rows": rows}  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_json(args.out, report)
     print(f"plain-step bookkeeping (plan + record_plan), us per step: median (p10-p90), {args.chunks} chunks")
     for r in rows:
         print(f"batch {r['batch']:>3}  {r['mode']:<10} {r['us_per_step']:8.1f} ({r['p10']:.1f}-"

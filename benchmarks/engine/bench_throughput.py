@@ -18,7 +18,6 @@ and prints a table last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from benchmarks.common import (
     sync,
     time_thinkspec,
     write_config,
+    write_json,
 )
 from thinkspec import LLM
 from thinkspec.bench.synthetic import install_synthetic_acceptance
@@ -135,7 +135,7 @@ def main() -> None:
         rows.append(row)
         print(f"  {row['engine']} batch {row['batch']}: {row['tok_per_s']:.1f} tok/s", flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_json(args.out, result)
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = QWEN3_0_6B if args.shape == "0.6b" else QWEN3_8B
@@ -226,7 +226,7 @@ def main() -> None:
     for r in rows:
         r["x_floor"] = r["ms_per_step"] / floor_ms
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     print(f"decode throughput, {result['shape']}, {dtype_name}, floor {floor_ms:.2f} ms/step")
     print(f"{'engine':<22} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor':>8} {'AL':>5}  engine steps")
     for r in rows:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import signal
 import statistics
 import sys
@@ -55,6 +54,7 @@ from benchmarks.common import (
     rate_for_acceptance_length,
     time_thinkspec,
     write_config,
+    write_json,
 )
 from thinkspec import LLM
 from thinkspec.bench.synthetic import install_synthetic_acceptance
@@ -376,7 +376,7 @@ def main() -> None:
 
     def save() -> None:
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_json(args.out, result)
 
     if "allreduce" in parts:
         result["allreduce"] = measure_allreduce(args.tp, args.iters)

@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.engine import speculator as speculator_module
@@ -404,7 +404,7 @@ def main() -> None:
         run_ahead=engine.speculator is not None and engine.speculator.run_ahead,
     )  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     what = f"speculative step (k={args.spec}, rate {args.spec_rate})" if args.spec else "engine step"
     if switch:
         what = f"switch step after {args.switch} plain steps (k={args.spec}, rate {args.spec_rate})"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import graph_us
+from benchmarks.common import graph_us, write_json
 from thinkspec.layers.attention_triton import TritonAttentionBackend
 from thinkspec.layers.forward_context import AttentionMetadata
 
@@ -173,7 +172,7 @@ def main() -> None:
     device = torch.cuda.get_device_name(dev)
     result = {"device": device, "layers": args.layers, "heads": [hq, hkv], "rows": rows}
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

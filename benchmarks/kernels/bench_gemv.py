@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import graph_us
+from benchmarks.common import graph_us, write_json
 from thinkspec.layers.fused_triton import silu_and_mul
 from thinkspec.layers.gemv_triton import gemv, gemv_config
 
@@ -100,7 +99,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.out:
         result = dict(device=torch.cuda.get_device_name(dev), rows=rows_out)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import graph_us
+from benchmarks.common import graph_us, write_json
 from thinkspec.layers import gemm_skinny_triton
 from thinkspec.layers.gemm_skinny_triton import ROW_BUCKETS, Config, skinny_gemm
 
@@ -278,7 +278,7 @@ def main() -> None:
                       tma=not args.no_tma, rows=rows_out, step_totals=totals)  # fmt: skip
         result["table"] = [dict(rows=key[0], n=key[1], k=key[2], config=cfg)
                            for key, cfg in table_entries(result, args.min_gain).items()]  # fmt: skip
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, write_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts, run_cell
 from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
@@ -563,7 +563,7 @@ def measure(args, engines, choosers, cells, batches, data, result) -> None:
         proposer = engines["spec"].llm_engine.speculator.proposer
         result["run_ahead"] = {"run": proposer.num_run_ahead, "used": proposer.num_used_ahead}
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_json(args.out, result)
 
 
 def relax_arg(text: str) -> tuple[float, int]:

@@ -32,7 +32,6 @@ Writes JSON (--out) and prints a table last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, sync, write_config
+from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, sync, write_config, write_json
 from thinkspec.bench.synthetic import check_synthetic, steer_runner
 from thinkspec.config import SpeculativeConfig
 from thinkspec.engine.block_manager import BlockManager
@@ -277,7 +276,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(args.out, result, indent=2)
     shapes = f"{result['target']} / {result['draft']}"
     print(f"spec round vs parts ({shapes}, {dtype}, k={args.k}, rate={args.rate})")
     print(f"{'batch':>5} {'round ms':>9} {'draft ms':>9} {'verify ms':>9} {'parts ms':>9} {'ratio':>6} "

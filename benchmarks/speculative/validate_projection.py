@@ -34,7 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import QWEN3_0_6B, QWEN3_8B, SMALL_DRAFT, SMALL_TARGET, decode_seconds, write_config
+from benchmarks.common import (
+    QWEN3_0_6B,
+    QWEN3_8B,
+    SMALL_DRAFT,
+    SMALL_TARGET,
+    decode_seconds,
+    write_config,
+    write_json,
+)
 from thinkspec import LLM
 from thinkspec.bench.projection import (
     AcceptanceProfile,
@@ -162,7 +170,7 @@ def main() -> None:
             "measured_over_steady": med / steady[(name, b)],
         })  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     print(f"projection vs engine, {result['shape']}, k={args.k}, {L} output tokens, {args.repeats} repeats")
     print(f"{'cell':<22} {'batch':>5} {'measured':>10} {'min-max':>17} {'projected':>10} {'meas/proj':>9} "
           f"{'steady':>10} {'meas/steady':>11}")  # fmt: skip

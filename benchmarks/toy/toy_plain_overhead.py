@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
-from benchmarks.common import toy_adaptive_config
+from benchmarks.common import toy_adaptive_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts
 from thinkspec.bench.datasets import load_dataset
@@ -166,7 +166,7 @@ def main() -> None:
     report = {"device": device, "max_tokens": args.max_tokens, "k_max": args.k_max, "repeats": args.repeats,
               "warmups": args.warmups, "engine_args": json.loads(args.engine_args), "rows": rows}  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_json(args.out, report)
     print(f"toy pair, greedy, max_tokens {args.max_tokens}: median tok/s (min-max) over {args.repeats} runs")
     for r in rows:
         print(f"batch {r['batch']:>3}  {r['mode']:<24} {r['tok_per_s']:9.0f} ({r['min']:.0f}-{r['max']:.0f})"
