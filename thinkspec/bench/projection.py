@@ -48,9 +48,9 @@ class AcceptanceProfile:
 
 
 def costs_from_spec_round(data: Mapping[str, Any]) -> list[StepCosts]:
-    """StepCosts per batch from benchmarks/bench_spec_round.py's JSON (rows of batch, k, draft_step_ms,
-    verify_ms, decode_ms), or from benchmarks/validate_projection.py's (k, and costs of batch,
-    plain_ms, draft_ms, verify_ms, measured in the same run as the engine it checked)."""
+    """StepCosts per batch from benchmarks/speculative/bench_spec_round.py's JSON (rows of batch, k,
+    draft_step_ms, verify_ms, decode_ms), or from benchmarks/speculative/validate_projection.py's (k, and
+    costs of batch, plain_ms, draft_ms, verify_ms, measured in the same run as the engine it checked)."""
     if "costs" in data:
         return [
             StepCosts(

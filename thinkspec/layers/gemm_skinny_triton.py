@@ -17,7 +17,7 @@ at the HBM rate and nothing else:
   tensor's edges), whenever both operands' addresses and row strides are multiples of 16 bytes;
   otherwise through pointer loads. TMA measured on the H200 engine: the batch-16 / 64 steps 4.68 /
   5.37 ms against 4.74 / 5.43, the batch-1 k = 6 speculative step's device time 9.78 against 10.00 ms
-  (docs/BENCHMARKS.md, twenty-first session).
+  (docs/BENCHMARKS.md, "Figures behind code choices").
 
   SPLIT_K > 1 (when N / BLOCK_N programs alone would leave SMs idle, as at N = 4096) writes float32
   partials [SPLIT_K, M, N], and a second small launch sums them in a fixed order, adds the bias and
@@ -35,7 +35,7 @@ CUDA-graph capturable (no host syncs, no data-dependent allocation). On CPU this
 TRITON_INTERPRET=1 (tests); `F.linear` is the reference.
 
 Which (rows, N, K) go to this kernel rather than cuBLAS is decided by measurement only:
-`SKINNY_GEMM_TABLE` below, filled from benchmarks/bench_skinny_gemm.py (see its docstring).
+`SKINNY_GEMM_TABLE` below, filled from benchmarks/kernels/bench_skinny_gemm.py (see its docstring).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ Config = tuple[int, int, int, int, int]
 # The measured winners: (rows bucket, N, K) -> the launch config that beat cuBLAS there on the H200.
 # `Linear` (layers/linear.py) sends a product to this kernel only when its (bucket, N, K) is a key;
 # everything else stays on cuBLAS. Empty until measured: fill it from bench_skinny_gemm's JSON with
-#   python benchmarks/bench_skinny_gemm.py --table-from skinny.json
+#   python benchmarks/kernels/bench_skinny_gemm.py --table-from skinny.json
 # which prints the entries (cells where the best launch shape beat cuBLAS by --min-gain).
 # Measured 2026-12-01 on the H200: Qwen3-8B's projections at 16, 32 and 64 rows
 # (benchmarks/results/2026-12-01-skinny-gemm-h200.json) and at 4 and 8 rows (a batch-1 verify of
@@ -70,7 +70,7 @@ Config = tuple[int, int, int, int, int]
 # o at 8 rows and down at 16 split K although unsplit shapes measured 0-0.2 us faster alone: split, the
 # residual add + RMSNorm after them run in the sum launch (skinny_gemm_rms_norm), and the batch-1 k = 6
 # verify took 4.545 against 4.621 ms, the batch-16 step 4.593 against 4.623 (docs/BENCHMARKS.md,
-# twenty-third session). (q/k/v split the same way with its partials summed in the q/k norm + rotary
+# "Figures behind code choices"). (q/k/v split the same way with its partials summed in the q/k norm + rotary
 # kernel measured slower: batch 64 5.336 against 5.241 ms; not kept.)
 SKINNY_GEMM_TABLE: dict[tuple[int, int, int], Config] = {
     (4, 4096, 4096): (64, 128, 2, 4, 5),  # o: 11.1 vs cuBLAS 12.6 us

@@ -122,10 +122,10 @@ def gemv_config(num_rows: int, n: int, k: int, glu: bool = False) -> tuple[int, 
     Few outputs over long rows (n <= SMALL_N, k >= 2048: the 0.6B's o and down) leave n / 4 programs,
     about two per SM, each walking K one 512 tile at a time: too few loads in flight to stream the
     weight. There 2 outputs and 2048-wide K tiles per program, with 4 warps: 1024-wide tiles measured
-    23-29% faster than the default (o 3.0 against 4.0 us, down 3.8 against 5.3 at 1 row; twelfth
-    session), 2048-wide ones faster again (at 2 rows o 2.75 against 3.32 us, down 3.87 against 4.29;
-    the 0.6B step 0.77 against 0.79 ms at 1 row, 0.88 against 0.91 at 2; docs/BENCHMARKS.md,
-    twenty-first session).
+    23-29% faster than the default (o 3.0 against 4.0 us, down 3.8 against 5.3 at 1 row), 2048-wide
+    ones faster again (at 2 rows o 2.75 against 3.32 us, down 3.87 against 4.29; the 0.6B step 0.77
+    against 0.79 ms at 1 row, 0.88 against 0.91 at 2; docs/BENCHMARKS.md, "Figures behind code
+    choices").
     With glu a program reads gate and up rows: half the outputs, the same weight rows per program
     (and registers: two accumulators of the full size spill at 2 rows)."""
     block_k = min(512, triton.next_power_of_2(k))

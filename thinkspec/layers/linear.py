@@ -3,7 +3,7 @@
 `Linear` is nn.Linear that, once `gemv` is switched on (the engine does so with the other fused
 kernels), runs one- and two-row products of weights up to GEMV_MAX_WEIGHT elements as the Triton GEMV
 of gemv_triton.py: at batch 1 cuBLAS reads those weights measurably below the HBM rate, while on
-larger weights (gate/up, lm_head) it reaches it (benchmarks/bench_gemv.py, docs/BENCHMARKS.md).
+larger weights (gate/up, lm_head) it reaches it (benchmarks/kernels/bench_gemv.py, docs/BENCHMARKS.md).
 With `skinny_gemm` on as well, products of 3..64 rows go to the Triton tensor-core GEMM of
 gemm_skinny_triton.py, but only for the (rows bucket, N, K) that its SKINNY_GEMM_TABLE lists (the
 shapes where bench_skinny_gemm measured it faster than cuBLAS); everything else stays on F.linear.

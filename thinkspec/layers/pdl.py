@@ -22,12 +22,13 @@ step writes a weight; activations still wait). Not attention: its tiles do not d
 count, so an eager launch (its count varies in a run) would need a second build of tiles a graph
 built early, in mid-run (seen on the H200). Qwen3-0.6B shape step: batch 1 0.89 ->
 0.85 ms, batch 2 0.98 -> 0.96-0.97 ms (two calls); at 4 rows 1.34 -> 1.43 ms slower, so 2 rows at
-most (docs/BENCHMARKS.md, "Early release at one and two rows").
+most (docs/BENCHMARKS.md, "Programmatic dependent launch (PDL)").
 `PREFETCH` (on) bends the first rule for inputs no kernel of a forward writes. The q/k norm + rotary
 kernel reads its token's position, KV slot, rotary row and q/k norm weights before its wait
 (positions and slots are copied in, or gathered by normal launches, before the forward's first
 kernel; the rotary table and the weights are fixed), and RMSNorm reads its weight (the norm weights:
-Qwen3-0.6B shape step 1.7% / 2.3% faster at batch 1 / 2; docs/BENCHMARKS.md, nineteenth session).
+Qwen3-0.6B shape step 1.7% / 2.3% faster at batch 1 / 2; docs/BENCHMARKS.md, "Programmatic dependent
+launch (PDL)").
 Attention reads its sequence's metadata and first block-table entries before its wait and asks for
 that tile's cached keys and values (positions before the query window, written by earlier forwards)
 in L2: a hint that changes no value; the kernel reads them after the wait as before. Safe by the next

@@ -2,7 +2,7 @@
 
 torch's argmax over a [R, 151,936] row costs two launches at a few rows (a memset of its reduction's
 semaphores, then the reduction): 8.9 us of device time on the H200 at one row, against 2.7 for this
-kernel (benchmarks/bench_argmax.py), and the draft model samples once per drafted token. Here:
+kernel (benchmarks/kernels/bench_argmax.py), and the draft model samples once per drafted token. Here:
 
   _argmax_kernel  grid (R, NC)  program (r, c) reduces chunk c of row r (BLOCK entries) to its max and
                   the lowest index holding it, stores that pair, then counts itself in on row r's

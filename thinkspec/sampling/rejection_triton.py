@@ -34,8 +34,8 @@ MAX_TILE = 8192
 NUM_WARPS = 8
 # The stats pass streams chunks of a row per program (see _stats_split). Each lane reads VEC
 # neighbours per step; the greedy loops issue 3.7 (strict) and 6.6 (relaxable) instructions per bf16
-# entry (benchmarks/kernel_loop_cost.py), so they are bound by memory, not issue. The shape is the
-# one with the lowest worst-case time over bf16/fp32 x 320/1280 rows in benchmarks/tune_acceptance.py
+# entry (benchmarks/kernels/kernel_loop_cost.py), so they are bound by memory, not issue. The shape is the
+# one with the lowest worst-case time over bf16/fp32 x 320/1280 rows in benchmarks/kernels/tune_acceptance.py
 # on the H200 (docs/BENCHMARKS.md).
 STATS_TILE = 1024
 STATS_VEC = 4
