@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from thinkspec import LLM, SamplingParams
-from thinkspec.toy.assets import resolve_model_path
+from thinkspec.model_names import resolve_model_name
 
 # ---- model shapes (config.json fields; the loader builds dummy bf16 weights from them) ----------------
 
@@ -90,7 +90,7 @@ def toy_adaptive_config(k_max: int) -> dict[str, Any]:
     """speculative_config of the toy pair's adaptive engine: the bundled draft, adaptive_k up to k_max,
     relaxed thinking (ratio 0.3, top-k 8) as bench_adaptive --toy runs it."""
     return {
-        "model": str(resolve_model_path("toy-reasoner-draft")), "num_speculative_tokens": k_max,
+        "model": str(resolve_model_name("toy-reasoner-draft")), "num_speculative_tokens": k_max,
         "adaptive_k": True, "reasoning_parser": "qwen3", "relaxed_thinking": True, "relax_ratio": 0.3,
         "relax_top_k": 8,
     }  # fmt: skip

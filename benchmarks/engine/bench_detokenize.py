@@ -47,10 +47,10 @@ def run(tokenizer: str, num_tokens: int, repeats: int) -> dict[str, float]:
     """Microseconds per output token of each path (best of `repeats`)."""
     from transformers import AutoTokenizer
 
-    from thinkspec.toy.assets import resolve_model_path
+    from thinkspec.model_names import resolve_model_name
     from thinkspec.toy.task import generate_samples
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
+    tok = AutoTokenizer.from_pretrained(resolve_model_name(tokenizer))
     ids: list[int] = []
     seed = 0
     while len(ids) < PROMPT_TOKENS + num_tokens:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import toy_adaptive_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.engine.sequence import Sequence
-from thinkspec.toy.assets import resolve_model_path
+from thinkspec.model_names import resolve_model_name
 
 
 def decode_rows(n: int) -> list[Sequence]:
@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     kw = {"kv_cache_memory": 1 << 30} if torch.device(args.device).type == "cuda" else {}
-    llm = LLM(resolve_model_path("toy-reasoner"), speculative_config=toy_adaptive_config(args.k_max),
+    llm = LLM(resolve_model_name("toy-reasoner"), speculative_config=toy_adaptive_config(args.k_max),
               device=args.device, max_num_seqs=max(batch_sizes), **kw)  # fmt: skip
     speculator = llm.llm_engine.speculator
     spec = getattr(speculator, "planner", speculator)  # an older tree plans in the speculator

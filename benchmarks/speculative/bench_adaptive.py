@@ -88,6 +88,7 @@ from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
 from thinkspec.bench.sweep import RelaxSetting
 from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.bench.warmth import build_counts, capture_graphs, check_no_builds, quiet_heap
+from thinkspec.model_names import resolve_model_name
 from thinkspec.spec_decode.draft_length import (
     ANSWER,
     GROUPS,
@@ -98,7 +99,6 @@ from thinkspec.spec_decode.draft_length import (
 )
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.spec_decode.step_costs import StepCostModel
-from thinkspec.toy.assets import resolve_model_path
 from thinkspec.toy.task import LEVELS
 
 DROPPED: list[str] = []  # timed runs that built something, run again
@@ -224,7 +224,7 @@ def build_engines(args, tmp: Path, max_batch: int) -> dict[str, LLM]:
     kv = args.kv_cache_memory if args.kv_cache_memory is not None else (16 << 30 if cuda else None)
     common: dict[str, Any] = dict(device=args.device, max_num_seqs=max_batch, kv_cache_memory=kv)
     if args.toy:  # the checkpoints' own dtype on GPU, float32 on CPU, as the sweep loads them
-        tdir, ddir = (Path(resolve_model_path(name)) for name in TOY_PAIR)
+        tdir, ddir = (Path(resolve_model_name(name)) for name in TOY_PAIR)
     else:
         vocab = vocab_size(args)
         tdir = write_config(tmp / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)

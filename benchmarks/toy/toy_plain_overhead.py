@@ -49,9 +49,9 @@ from benchmarks.common import toy_adaptive_config, write_json
 from thinkspec import LLM, SamplingParams
 from thinkspec.bench.bench import format_prompts
 from thinkspec.bench.datasets import load_dataset
+from thinkspec.model_names import resolve_model_name
 from thinkspec.spec_decode import draft_length
 from thinkspec.spec_decode.planner import decode_rows
-from thinkspec.toy.assets import resolve_model_path
 
 MODES = (
     "plain",
@@ -71,7 +71,7 @@ def build(mode: str, args) -> LLM:
     if torch.device(args.device).type == "cuda":
         kw["kv_cache_memory"] = 8 << 30
     kw.update(json.loads(args.engine_args))
-    target = resolve_model_path("toy-reasoner")
+    target = resolve_model_name("toy-reasoner")
     if mode.startswith("plain"):
         if mode == "plain-parser":
             kw["reasoning_parser"] = "qwen3"

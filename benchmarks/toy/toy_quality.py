@@ -16,7 +16,7 @@ from pathlib import Path
 from thinkspec import LLM
 from thinkspec.bench.bench import run_cell
 from thinkspec.bench.datasets import BenchItem, default_max_tokens, load_dataset
-from thinkspec.toy.assets import ASSETS_DIR
+from thinkspec.model_names import ASSETS_DIR
 
 TOY = ASSETS_DIR / "toy-reasoner"
 
