@@ -184,8 +184,9 @@ class Speculator:
             choice = planner.choice_for(seqs, num_new, sample_mask)
             spec_index, max_drafts = choice[0], choice[1]
             if not spec_index and choice[3].size == len(seqs):  # row_ks [R]: every row decodes
-                # The plain decode step: the draft model catches up when its rows speculate again.
-                return choice, [], Proposal(torch.empty(0, self.k, dtype=torch.long, device=self.device), [])
+                # The plain decode step: the draft model catches up when its rows speculate again. No
+                # window: width 1, as narrowing an empty proposal gives.
+                return choice, [], Proposal(torch.empty(0, 1, dtype=torch.long, device=self.device), [])
         proposal = self.proposer.propose(ProposalInput(seqs, num_new, spec_index, max_drafts))
         if choice is not None:
             proposal = proposal.narrow(max(1, max(proposal.num_drafts, default=1)))
