@@ -347,19 +347,25 @@ def _compile_skinny(
     return compile_sm90(gs._skinny_gemm_kernel, ptrs, constexprs, warps, aligned, num_stages=stages)
 
 
+def _skinny_table_builds() -> list:
+    """One case per distinct sm_90 build the tables' entries launch, (glu, block_m, config, even_k,
+    fp32_out): entries (rows, n, k) that share a build would compile and check the same kernel."""
+    builds: dict[tuple, list[str]] = {}
+    for glu, table in ((False, gs.SKINNY_GEMM_TABLE), (True, gs.SKINNY_GLU_TABLE)):
+        for (rows, n, k), config in table.items():
+            build = (glu, max(16, rows), config, k % config[1] == 0, n == 151936)
+            builds.setdefault(build, []).append(f"{rows}x{n}x{k}")
+    return [pytest.param(*b, id=("glu-" if b[0] else "") + "-".join(keys)) for b, keys in builds.items()]
+
+
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize(
-    ("glu", "key"),
-    [(False, key) for key in gs.SKINNY_GEMM_TABLE] + [(True, key) for key in gs.SKINNY_GLU_TABLE],
-)
-def test_skinny_gemm_table_entries_compile(glu, key, tma):
+@pytest.mark.parametrize(("glu", "block_m", "config", "even_k", "fp32_out"), _skinny_table_builds())
+def test_skinny_gemm_table_entries_compile(glu, block_m, config, even_k, fp32_out, tma):
     # every launch shape the tables send an engine product to, with pointer loads and with tensor
     # descriptors (TMA): pipelined, no spills, fits shared memory (the lm_head's logits in float32)
-    rows, n, k = key
-    config = (gs.SKINNY_GLU_TABLE if glu else gs.SKINNY_GEMM_TABLE)[key]
-    block_k, split, stages = config[1], config[2], config[4]
+    split, stages = config[2], config[4]
     assert not glu or split == 1
-    kernel = _compile_skinny(max(16, rows), config, glu, tma, even_k=k % block_k == 0, fp32_out=n == 151936)
+    kernel = _compile_skinny(block_m, config, glu, tma, even_k=even_k, fp32_out=fp32_out)
     usage = resource_usage(kernel.asm["cubin"])
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     if tma:  # the tiles come through the copy engine, several in flight
