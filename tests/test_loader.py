@@ -321,6 +321,8 @@ def test_folder_without_tokenizer_runs_token_ids(tmp_path: Path) -> None:
         llm.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="reasoning_parser needs a tokenizer"):
         LLM(folder, device="cpu", reasoning_parser="qwen3")
+    with pytest.raises(ValueError, match="chat_template needs a tokenizer, there is none"):
+        LLM(folder, device="cpu", chat_template="{{ messages }}")
     explicit = LLM(folder, device="cpu", skip_tokenizer_init=True)
     assert explicit.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected
 

@@ -196,6 +196,9 @@ def build_llm_engine(args: EngineArgs) -> LLMEngine:
     _fetch_hub_revisions(args)
     engine = LLMEngine(args)
     if chat_template is not None:
+        if engine.tokenizer is None:
+            engine.shutdown()
+            raise ValueError(f"chat_template needs a tokenizer, there is none ({engine._no_tokenizer})")
         engine.tokenizer.chat_template = chat_template
     return engine
 
