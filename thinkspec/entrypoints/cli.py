@@ -116,10 +116,10 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     demo = sub.add_parser(
         "demo",
         usage="%(prog)s [options]",
-        help="answer fresh toy problems with strict and relaxed speculative decoding on the bundled pair",
+        help="answer fresh toy problems plainly and with strict and relaxed speculation on the bundled pair",
         description="Loads the bundled toy reasoner pair, answers a few fresh arithmetic problems with "
-        "strict and with relaxed speculative decoding, and prints accuracy, acceptance length and "
-        "tokens/s per mode.",
+        "plain decoding, strict and relaxed speculative decoding, and prints accuracy, acceptance "
+        "length and tokens/s per mode (progress on stderr).",
     )
     demo.add_argument("--num-problems", type=int, default=16, help="problems per mode (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=1234, help="problem generator seed (default: %(default)s)")
