@@ -67,14 +67,14 @@ def test_every_command_is_run():
                      ("thinkspec", "serve"), ("thinkspec", "sweep")]  # fmt: skip
 
 
-@pytest.mark.parametrize(("target", "runs"), [("demo", "thinkspec demo"), ("test", "pytest -q")])
+@pytest.mark.parametrize(("target", "runs"), [("demo", "/thinkspec demo"), ("test", " -m pytest")])
 def test_make_targets(target, runs):
     """`make demo` / `make test` exist and run what the README says (dry run: `make test` here
     would recurse, and test_demo.py runs the demo at a reduced size)."""
     assert command("make", target) == ["make", target]
     dry = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.strip().splitlines()[-1].endswith(runs)
+    assert runs in dry.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
