@@ -53,19 +53,58 @@ def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
     assert pick(8, 32, 4.0, {}) == 8  # never above torch's count
     assert pick(2, 2, 1.1, {"OMP_NUM_THREADS": "2"}) == 2  # the user's setting wins
     before = torch.get_num_threads()
+    busy = [1.0]
     try:
         monkeypatch.setattr(factory, "_IMPORT_THREADS", 2)
-        monkeypatch.setattr(factory.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+        monkeypatch.setattr(factory, "_chosen_threads", None)
+        monkeypatch.setattr(factory, "busy_cores", lambda cores: busy[0])
         monkeypatch.setattr(factory.os, "sched_getaffinity", lambda pid: {0, 1})
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(2)
         factory.set_cpu_threads()
         assert torch.get_num_threads() == 1
+        busy[0] = 0.1  # the neighbour left: the next engine built takes both cores again
+        factory.set_cpu_threads()
+        assert torch.get_num_threads() == 2
         torch.set_num_threads(3)  # set by the caller: kept
+        busy[0] = 1.0
         factory.set_cpu_threads()
         assert torch.get_num_threads() == 3
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's setting: kept
+        factory.set_cpu_threads()
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_busy_cores_counts_other_processes_now(monkeypatch):
+    """The busy share of the machine's ticks over the window, times the cores; a neighbour that has just
+    started counts at once (a load average would lag it by a minute)."""
+    from thinkspec.engine import factory
+
+    ticks = iter([(1_000, 10_000), (1_150, 10_200)])  # 150 of 200 ticks busy
+    monkeypatch.setattr(factory, "_cpu_ticks", lambda: next(ticks))
+    assert factory.busy_cores(2, interval=0) == 1.5
+    monkeypatch.setattr(factory, "_cpu_ticks", lambda: None)
+    assert factory.busy_cores(2, interval=0) is None
+    monkeypatch.undo()
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/stat"):
+        return
+    alone = factory.busy_cores(2, interval=0.3)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        factory.busy_cores(2, interval=0.1)  # the child starts up
+        beside = factory.busy_cores(2, interval=0.3)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert alone is not None and 0 <= alone <= 2.01
+    assert beside is not None and beside >= 0.8  # one spinning process keeps about one core busy
 
 
 def test_sweep_shows_loading_and_warm_up_progress(capsys):

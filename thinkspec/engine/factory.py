@@ -12,6 +12,7 @@ draft_tensor_parallel_size 1 lives on rank 0 only, whole.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -182,30 +183,64 @@ def build_runners(args: EngineArgs, models: Models) -> Runners:
     return Runners(configured_len, max_model_len, num_blocks, graph_memory, pool, target, draft)
 
 
-# torch's intra-op thread count when this module was imported: a different count later means
-# the caller chose one (torch.set_num_threads), which is kept.
+# torch's intra-op thread count when this module was imported, and the count set_cpu_threads last
+# chose: any other count means the caller chose one (torch.set_num_threads), which is kept.
 _IMPORT_THREADS = torch.get_num_threads()
+_chosen_threads: int | None = None
 
 
-def pick_cpu_threads(current: int, cores: int, load: float, env: Mapping[str, str]) -> int:
+def pick_cpu_threads(current: int, cores: int, busy: float, env: Mapping[str, str]) -> int:
     """Intra-op threads for the engine on CPU: one per core no other process keeps busy (at least 1,
     at most `current`), since torch's pool stalls each parallel region while a thread waits for a
     taken core. `current` (torch's count) stays when OMP_NUM_THREADS is set."""
     if env.get("OMP_NUM_THREADS"):
         return current
-    return max(1, min(current, cores - round(load)))
+    return max(1, min(current, cores - round(busy)))
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of every core since boot, from /proc/stat; None where it is missing."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - idle, total
+
+
+def busy_cores(cores: int, interval: float = 0.2) -> float | None:
+    """Cores other processes keep busy right now: the machine's busy share over `interval` seconds,
+    during which this process sleeps, times the cores. A load average would lag a neighbour that just
+    started by a minute and count this process itself. None where /proc/stat is missing."""
+    before = _cpu_ticks()
+    if before is None:
+        return None
+    time.sleep(interval)
+    after = _cpu_ticks()
+    if after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * cores
 
 
 def set_cpu_threads() -> None:
-    """Apply pick_cpu_threads from the 1-minute load average, unless torch.set_num_threads was called."""
-    current = torch.get_num_threads()
-    if current != _IMPORT_THREADS:
+    """Apply pick_cpu_threads to the cores busy now (each engine built looks again), unless
+    OMP_NUM_THREADS is set or the caller chose a count with torch.set_num_threads."""
+    global _chosen_threads
+    full = _IMPORT_THREADS
+    chosen_by_caller = torch.get_num_threads() not in (full, _chosen_threads)
+    if full == 1 or os.environ.get("OMP_NUM_THREADS") or chosen_by_caller:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = pick_cpu_threads(current, cores, os.getloadavg()[0], os.environ)
-    if threads != current:
-        logger.info("CPU: %d intra-op thread(s) of %d (other processes keep the rest busy)", threads, current)
-        torch.set_num_threads(threads)
+    busy = busy_cores(cores)
+    if busy is None:
+        return
+    threads = pick_cpu_threads(full, cores, busy, os.environ)
+    if threads != full:
+        logger.info("CPU: %d intra-op thread(s) of %d (other processes keep the rest busy)", threads, full)
+    torch.set_num_threads(threads)
+    _chosen_threads = threads
 
 
 def load_models(args: EngineArgs, tp: TPLayout) -> Models:
