@@ -29,22 +29,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-QWEN3_8B = dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-)  # fmt: skip
-QWEN3_0_6B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-)  # fmt: skip
-SMALL_TARGET = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-)  # fmt: skip
-SMALL_DRAFT = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-)  # fmt: skip
 MODES = ("plain", "spec")
 
 
@@ -70,9 +54,10 @@ class _Worker:
         import torch
 
         self.args = args
-        vocab = 1024 if args.small else 151936
-        self.target = _write_config(tmp / "target", SMALL_TARGET if args.small else QWEN3_8B, vocab)
-        self.draft = _write_config(tmp / "draft", SMALL_DRAFT if args.small else QWEN3_0_6B, vocab)
+        shapes = json.loads(args.shapes)  # the driver's, from benchmarks.common (not imported here)
+        vocab = shapes["vocab"]
+        self.target = _write_config(tmp / "target", shapes["target"], vocab)
+        self.draft = _write_config(tmp / "draft", shapes["draft"], vocab)
         gen = torch.Generator().manual_seed(0)
         batches = [int(b) for b in args.batch_sizes.split(",")]
         self.prompts = torch.randint(0, vocab - 1, (max(batches), args.prompt_len), generator=gen).tolist()
@@ -174,6 +159,17 @@ class _Tree:
         self.proc.wait(timeout=120)
 
 
+def _shapes(small: bool) -> dict:
+    """The target's and draft's config fields and the vocabulary, from benchmarks.common. Only the driver
+    imports it: a worker's thinkspec may be a tree older than that module's imports."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+    from benchmarks.common import QWEN3_0_6B, QWEN3_8B, QWEN_VOCAB, SMALL_DRAFT, SMALL_TARGET
+
+    if small:
+        return {"target": SMALL_TARGET, "draft": SMALL_DRAFT, "vocab": 1024}
+    return {"target": QWEN3_8B, "draft": QWEN3_0_6B, "vocab": QWEN_VOCAB}
+
+
 def _summary(times: list[float]) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": times}
 
@@ -221,6 +217,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # JSON, driver -> worker
     args = p.parse_args()
     if args.worker:
         worker_main(args)
@@ -231,7 +228,7 @@ def main() -> None:
     passed = ["--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len),
               "--output-len", str(args.output_len), "--k", str(args.k),
               "--kv-cache-gib", str(args.kv_cache_gib), "--device", args.device]  # fmt: skip
-    passed += ["--small"] if args.small else []
+    passed += ["--shapes", json.dumps(_shapes(args.small))]
     result = drive(args, passed)
     print(f"device: {result['trees']['new']['device']}")
     head = f"{'old ms':>8} {'(min-max)':>15} {'new ms':>8} {'(min-max)':>15}"
