@@ -27,6 +27,15 @@ if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
+def pytest_configure(config):
+    """With pytest-xdist's -n and no --dist, each file stays on one worker (--dist loadfile): its module
+    fixtures start once, and its interpreter cases take their outcomes from its parent test's children
+    (tests/triton_interpreter.py). Set here, not in addopts: pytest without xdist (the GPU machine's)
+    would refuse the option."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
+
+
 @pytest.hookimpl(trylast=True)  # after -k has deselected, so that a shard splits the selection
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(SHARD_ENV):
