@@ -60,3 +60,33 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor, relaxed: torch.Tens
     """P(draft d ~ q is accepted) = sum_d q(d) * (1 if d relaxed else min(1, p(d) / q(d)))."""
     acc = torch.where(relaxed, torch.ones_like(p), torch.clamp(p / q, max=1.0))
     return float((q * acc).sum())
+
+
+def pi_from_acceptance(p: torch.Tensor, q: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """[V] float64: emitted distribution for drafts d ~ q accepted with probability acc[d] and the
+    residual normalize(max(0, p - q)) on rejection (docs/ACCEPTANCE.md, any relaxation rule)."""
+    residual = (p - q).clamp_min(0)
+    residual /= residual.sum()
+    return q * acc + (1 - (q * acc).sum()) * residual
+
+
+def lenient_acceptance(p: torch.Tensor, q: torch.Tensor, lam: float) -> torch.Tensor:
+    """[V] float64: min(1, p / (lambda q)), 1 where q = 0."""
+    return torch.where(q > 0, torch.clamp(p / (lam * q), max=1.0), torch.ones_like(p))
+
+
+def typical_set(p: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
+    """[V] bool: p(x) > min(threshold, alpha * exp(-H(p)))."""
+    entropy = float(torch.special.entr(p).sum())
+    return p > min(threshold, alpha * math.exp(-entropy))
+
+
+def typical_acceptance(p: torch.Tensor, q: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
+    """[V] float64: 1 in the typical set, min(1, p / q) elsewhere (the lossless test)."""
+    lossless = torch.where(q > 0, torch.clamp(p / q, max=1.0), torch.ones_like(p))
+    return torch.where(typical_set(p, threshold, alpha), torch.ones_like(p), lossless)
+
+
+def tv_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Total-variation distance of two distributions [V]."""
+    return 0.5 * float((a - b).abs().sum())

@@ -16,7 +16,17 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not importable")
 
-from distributions import acceptance_probability, chi2_pvalue, dist_setup, pi_distribution, relaxed_set  # noqa: E402
+from distributions import (  # noqa: E402
+    acceptance_probability,
+    chi2_pvalue,
+    dist_setup,
+    lenient_acceptance,
+    pi_distribution,
+    pi_from_acceptance,
+    relaxed_set,
+    typical_acceptance,
+    typical_set,
+)
 from scipy.stats import binomtest  # noqa: E402
 from triton_interpreter import interp, parent_only, run_interpreter_cases  # noqa: E402
 
@@ -329,6 +339,55 @@ def test_interp_sampling_distributions(relax):
     else:
         assert chi2_pvalue(out, q) < 1e-6  # power: and p from the draft distribution
     assert chi2_pvalue(res.output_token_ids[acc, 1], p) > 1e-4
+
+
+def _rule_kw(n, rule, lam, eps, alpha, temp=0.8):
+    """The relaxed-distribution case's inputs (dist_setup(seed=2), q-distributed drafts) under a rule."""
+    logits, p, q = dist_setup(seed=2)
+    drafts = torch.multinomial(q.float(), n, replacement=True, generator=torch.Generator().manual_seed(3))
+    kw = dict(
+        target_logits=logits.expand(n, 2, -1).contiguous(), draft_token_ids=drafts[:, None],
+        num_draft_tokens=torch.ones(n, dtype=torch.long), relax_mask=torch.ones(n, 1, dtype=torch.bool),
+        temperature=torch.full((n,), temp), relax_ratio=torch.full((n,), 0.15),
+        relax_top_k=torch.full((n,), 3, dtype=torch.long), relax_delta=torch.full((n,), NAN),
+        draft_probs=q.float().expand(n, 1, -1).contiguous(), relax_rule=torch.full((n,), rule),
+        relax_lambda=torch.full((n,), lam), posterior_threshold=torch.full((n,), eps),
+        posterior_alpha=torch.full((n,), alpha),
+    )  # fmt: skip
+    return kw, drafts, p, q
+
+
+@interp
+def test_interp_rules_exact(small_tiles):
+    # Typical drafts always accepted, nothing else flagged; greedy rows strict; lambda = 1 flags nothing.
+    kw, drafts, p, q = _rule_kw(40, 2, 1.0, 0.09, 0.3)
+    res = _tri(**kw, seeds=torch.arange(40) + 5, validate=True)
+    inside = typical_set(p, 0.09, 0.3)
+    assert res.output_token_ids.shape == (40, 2)
+    assert (res.num_accepted[inside[drafts]] == 1).all() and inside[drafts].any()
+    assert not (res.relaxed_accepted[:, 0] & ~inside[drafts]).any()
+    kw, drafts, p, q = _rule_kw(40, 1, 1.0, 0.0, 0.0)
+    assert not _tri(**kw, seeds=torch.arange(40)).relaxed_accepted.any()
+    kw, drafts, p, q = _rule_kw(40, 1, 0.01, 0.0, 0.0, temp=0.0)
+    res = _tri(**kw, all_greedy=True)
+    assert torch.equal(res.num_accepted, (drafts == 4).long()) and not res.relaxed_accepted.any()
+
+
+@interp
+@pytest.mark.parametrize("rule, lam, eps, alpha", [(1, 0.3, 0.0, 0.0), (2, 1.0, 0.09, 0.3)])
+def test_interp_sampling_distributions_rules(rule, lam, eps, alpha):
+    n = N_INTERP
+    kw, drafts, p, q = _rule_kw(n, rule, lam, eps, alpha)
+    acc_p = lenient_acceptance(p, q, lam) if rule == 1 else typical_acceptance(p, q, eps, alpha)
+    want = pi_from_acceptance(p, q, acc_p)
+    res = _tri(**kw, seeds=torch.arange(n) + 29)
+    out = res.output_token_ids[:, 0]  # [N]
+    acc = res.num_accepted == 1
+    assert torch.equal(out[acc], drafts[acc])
+    assert ((p - q).clamp_min(0)[out[~acc]] > 0).all(), "a rejected draft was replaced outside the residual"
+    assert binomtest(int(acc.sum()), n, float((q * acc_p).sum())).pvalue > 1e-4
+    assert chi2_pvalue(out, want) > 1e-4
+    assert chi2_pvalue(out, p) < 1e-6  # power: these samples tell pi from p
 
 
 # ---------------------------------------------------------------- GPU cases (real sizes)

@@ -12,6 +12,11 @@ softmax(x), g = argmax x (lowest index on ties), d = draft token, rank(d) = #{v 
                  and (delta unset or p[g] - p[d] <= delta)
   greedy         accept iff d == g or the relaxed test passes
   sampled        accept iff the relaxed test passes or u * q(d) < p(d), u ~ U[0, 1)
+Rows whose relax_rule is lenient or typical replace the relaxed test (only where relax_mask):
+  lenient        u * lambda * q(d) < p(d)   (accept with probability min(1, p(d) / (lambda q(d))))
+  typical        p(d) > min(posterior_threshold, posterior_alpha * exp(-H(p)))
+and never relax a greedy row. Every rule keeps the residual normalize(max(0, p - q)), which makes
+the emitted distribution the closest to p that its acceptance allows (docs/ACCEPTANCE.md).
 The first rejection stops the run; position num_accepted then emits a token: g (greedy) or a sample
 of normalize(max(0, p - q)) (sampled) on rejection, and the bonus token g / a sample of p from row
 num_draft_tokens[b] when every draft was accepted. q = draft_probs[b, i], or one_hot(d) when
@@ -29,7 +34,14 @@ import os
 
 import torch
 
-from thinkspec.sampling.rejection_common import AcceptanceBatch, RejectionResult, check_values
+from thinkspec.sampling.rejection_common import (
+    RULE_LENIENT,
+    RULE_TOPK_RATIO,
+    RULE_TYPICAL,
+    AcceptanceBatch,
+    RejectionResult,
+    check_values,
+)
 from thinkspec.sampling.sampler import exponential_race, mix_seed
 
 __all__ = [
@@ -119,12 +131,18 @@ def rejection_sample_reference(
         else draft_probs[:, :k].float().gather(-1, d[..., None])[..., 0]
     )
     lossless = u * qd < pd  # [B, K]
+    relaxed_only = torch.where(greedy[:, None], ~strict, pd < qd)  # [B, K]
+    if batch.relax_rule is not None:
+        rule_ok = batch.relax_mask & _rule_test(batch, x[:, :k], pd, qd, u)  # [B, K]
+        topk_rows = (batch.relax_rule == RULE_TOPK_RATIO)[:, None]  # [B, 1]
+        # Lenient / typical rows never relax a greedy row (p is one_hot(g) there: the strict test).
+        relaxed = torch.where(topk_rows, relaxed, rule_ok & ~greedy[:, None])
+        relaxed_only = torch.where(topk_rows, relaxed_only, ~lossless)
     accept = torch.where(greedy[:, None], strict | relaxed, relaxed | lossless)  # [B, K]
     pos = torch.arange(k, device=dev)
     accept &= pos[None, :] < n[:, None]
     num_accepted = accept.long().cumprod(-1).sum(-1)  # [B]
     in_run = pos[None, :] < num_accepted[:, None]  # [B, K]
-    relaxed_only = torch.where(greedy[:, None], ~strict, pd < qd)  # [B, K]
     relaxed_accepted = in_run & relaxed & relaxed_only
 
     # Emitted token from row j = num_accepted: correction if j < n, bonus if j == n.
@@ -163,6 +181,27 @@ def relaxed_test(
         & (torch.exp(xd - x_max) >= relax_ratio.float()[:, None])
         & (delta.isnan() | (pmax - pd <= delta))
     )
+
+
+def _rule_test(
+    batch: AcceptanceBatch,
+    x: torch.Tensor,  # [B, K, V] float32 scaled logits of the draft rows
+    pd: torch.Tensor,  # [B, K] float32 p(d)
+    qd: torch.Tensor,  # [B, K] float32 q(d)
+    u: torch.Tensor,  # [B, K] float32 the lossless test's uniforms
+) -> torch.Tensor:
+    """[B, K] bool: the lenient test u * lambda * q(d) < p(d) on lenient rows, the typical test
+    p(d) > min(posterior_threshold, posterior_alpha * exp(-H(p))) on typical rows, False on
+    topk_ratio rows. The same uniform as the lossless test, so lenient accepts a superset of it."""
+    assert batch.relax_rule is not None and batch.relax_lambda is not None
+    assert batch.posterior_threshold is not None and batch.posterior_alpha is not None
+    rule = batch.relax_rule.long()[:, None]  # [B, 1]
+    lenient = u * batch.relax_lambda.float()[:, None] * qd < pd
+    entropy = torch.special.entr(torch.softmax(x, -1)).sum(-1)  # [B, K] nats; entr(0) = 0
+    alpha = batch.posterior_alpha.float()[:, None]  # [B, 1]
+    tau = torch.minimum(batch.posterior_threshold.float()[:, None], alpha * torch.exp(-entropy))
+    typical = pd > tau
+    return torch.where(rule == RULE_LENIENT, lenient, (rule == RULE_TYPICAL) & typical)
 
 
 def _sample_emitted(

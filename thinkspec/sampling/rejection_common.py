@@ -28,6 +28,11 @@ class AcceptanceBatch:
     relax_ratio: torch.Tensor  # [B] float in [0, 1]
     relax_top_k: torch.Tensor  # [B] int64/int32 >= 1
     relax_delta: torch.Tensor  # [B] float in [0, 1], NaN = unset
+    # The bounded-distortion rules (docs/ACCEPTANCE.md); all four None = every row uses topk_ratio.
+    relax_rule: torch.Tensor | None = None  # [B] int64/int32: RULE_TOPK_RATIO, RULE_LENIENT or RULE_TYPICAL
+    relax_lambda: torch.Tensor | None = None  # [B] float in (0, 1]: lenient rows' lambda
+    posterior_threshold: torch.Tensor | None = None  # [B] float in [0, 1]: typical rows' epsilon
+    posterior_alpha: torch.Tensor | None = None  # [B] float >= 0: typical rows' delta
     draft_probs: torch.Tensor | None = None  # [B, K, V] float draft distribution q; None: q = one_hot(draft)
     seeds: torch.Tensor | None = None  # [B] int64 per-request seeds; None: draws come from the generator
     seed_offset: int = 0  # per-step offset mixed into every request's stream
@@ -41,6 +46,12 @@ class AcceptanceBatch:
         """(B, K, V)."""
         b, k1, v = self.target_logits.shape
         return b, k1 - 1, v
+
+
+# relax_rule codes, in SpeculativeConfig.relax_rule's names (RELAX_RULES order).
+RULE_TOPK_RATIO, RULE_LENIENT, RULE_TYPICAL = 0, 1, 2
+RELAX_RULES = ("topk_ratio", "lenient", "typical")
+_RULE_FIELDS = ("relax_rule", "relax_lambda", "posterior_threshold", "posterior_alpha")
 
 
 @dataclass(slots=True)
@@ -98,6 +109,12 @@ def check_shapes(batch: AcceptanceBatch) -> None:
     _check_tensor("relax_ratio", batch.relax_ratio, (b,), None, dev)
     _check_tensor("relax_top_k", batch.relax_top_k, (b,), _INT_DTYPES, dev)
     _check_tensor("relax_delta", batch.relax_delta, (b,), None, dev)
+    rule_set = [getattr(batch, f) is not None for f in _RULE_FIELDS]
+    _check(all(rule_set) or not any(rule_set), f"{', '.join(_RULE_FIELDS)} must be given together or not")
+    if batch.relax_rule is not None:
+        _check_tensor("relax_rule", batch.relax_rule, (b,), _INT_DTYPES, dev)
+        for name in _RULE_FIELDS[1:]:
+            _check_tensor(name, getattr(batch, name), (b,), None, dev)
     if batch.draft_probs is not None:
         _check_tensor("draft_probs", batch.draft_probs, (b, k, v), None, dev)
     if batch.seeds is not None:
@@ -128,6 +145,8 @@ def check_values(batch: AcceptanceBatch) -> None:
         bool((dl.isnan() | ((dl >= 0) & (dl <= 1))).all()),
         f"relax_delta must be in [0, 1] or NaN (unset), got {dl.tolist()}",
     )
+    if batch.relax_rule is not None:
+        _check_rule_values(batch)
     pos = torch.arange(k1, device=target_logits.device)
     used_rows = pos[None, :] <= n[:, None]  # [B, K+1]
     used_pos = pos[None, :k] < n[:, None]  # [B, K]
@@ -152,3 +171,22 @@ def check_values(batch: AcceptanceBatch) -> None:
         )
     if batch.all_greedy and bool((batch.temperature != 0).any()):
         raise ValueError("all_greedy=True but some temperature is not 0")
+
+
+def _check_rule_values(batch: AcceptanceBatch) -> None:
+    """Ranges of the rule fields (a sync); checked on every row, since each request's are resolved."""
+    assert batch.relax_lambda is not None and batch.posterior_threshold is not None
+    assert batch.relax_rule is not None and batch.posterior_alpha is not None
+    rule = batch.relax_rule.long()
+    ok = bool(((rule >= 0) & (rule < len(RELAX_RULES))).all())
+    _check(ok, f"relax_rule must be in [0, {len(RELAX_RULES) - 1}], got {rule.tolist()}")
+    lam = batch.relax_lambda.float()
+    _check(bool(((lam > 0) & (lam <= 1)).all()), f"relax_lambda must be in (0, 1], got {lam.tolist()}")
+    eps = batch.posterior_threshold.float()
+    ok = bool(((eps >= 0) & (eps <= 1)).all())
+    _check(ok, f"posterior_threshold must be in [0, 1], got {eps.tolist()}")
+    alpha = batch.posterior_alpha.float()
+    _check(
+        bool((torch.isfinite(alpha) & (alpha >= 0)).all()),
+        f"posterior_alpha must be finite and >= 0, got {alpha.tolist()}",
+    )

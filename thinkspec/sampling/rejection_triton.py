@@ -12,6 +12,11 @@ Launches, all with grids fixed by (B, K, V) so a round can be CUDA-graph capture
                           RNG, r = max(0, p - q) (residual) or p (bonus); no normalised copy is made.
   4. _race_reduce_kernel  grid (B,)           picks the race winner across tiles.
 Launches 3-4 are skipped when the caller promises `all_greedy=True`.
+The lenient and typical rules (a batch with `relax_rule` set) compile with RULES=True: the stats pass
+also sums exp(x - max) * x for the entropy, and the accept step picks each row's rule. Without
+`relax_rule` every RULES branch is a constexpr False, so the default rule's launches run the code
+they ran before the rules existed (no extra loads, stores or arithmetic); the race is shared, since
+every rule's residual is max(0, p - q).
 
 Randomness is keyed by (seed of the request, seed_offset, row, token) through Philox, so a request's
 result depends only on its own inputs and seed; without `seeds` one seed per request is drawn from
@@ -63,13 +68,15 @@ def _scaled(x, temp):
 
 @triton.jit
 def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl.constexpr,
-                WITH_SUM: tl.constexpr, WITH_CNT: tl.constexpr):  # fmt: skip
+                WITH_SUM: tl.constexpr, WITH_CNT: tl.constexpr, WITH_ENT: tl.constexpr):  # fmt: skip
     # Streams x = logits[start:end] (/ temp when WITH_SUM) in [LANES, VEC] steps. Per lane: running
-    # max, the step offset that first reached it (-1: none yet), #{x > xd} and the online sum-exp.
+    # max, the step offset that first reached it (-1: none yet), #{x > xd}, the online sum-exp and
+    # (WITH_ENT, for the typical rule's entropy) the online sum of exp(x - max) * x.
     acc_m = tl.full([LANES], float("-inf"), tl.float32)
     acc_t = tl.full([LANES], -1, tl.int32)
     acc_c = tl.zeros([LANES], tl.int32)
     acc_s = tl.zeros([LANES], tl.float32)
+    acc_x = tl.zeros([LANES], tl.float32)
     for t in range(start, end, TILE):
         offs = t + offs2
         x = tl.load(base + offs, mask=offs < end, other=float("-inf"))
@@ -85,10 +92,13 @@ def _stats_loop(base, start, end, offs2, xd, temp, TILE: tl.constexpr, LANES: tl
         if WITH_SUM:
             safe = tl.where(new_m == float("-inf"), 0.0, new_m)
             acc_s = acc_s * tl.exp(acc_m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
+            if WITH_ENT:
+                ex = tl.exp(x - safe[:, None]) * tl.where(x == float("-inf"), 0.0, x)  # 0 * -inf: NaN
+                acc_x = acc_x * tl.exp(acc_m - safe) + tl.sum(ex, 1)
         acc_m = new_m
         if WITH_CNT:
             acc_c += tl.sum((x > xd.to(x.dtype)).to(tl.int32), 1)
-    return acc_m, acc_t, acc_c, acc_s
+    return acc_m, acc_t, acc_c, acc_s, acc_x
 
 
 # K (the step's draft length) and NC (chunks per row, from the row count) vary between launches as
@@ -108,6 +118,7 @@ def _row_stats_kernel(
     pcnt_ptr,  # [B*(K+1), NC] int32 out: #{v in chunk : x[v] > x[d]} (0 on the bonus row and where
     #            relax_mask is false and the row is greedy: the count is unused there)
     psum_ptr,  # [B*(K+1), NC] float32 out: sum exp(x - chunk max), 1 when not needed
+    psx_ptr,  # [B*(K+1), NC] float32 out when RULES: sum exp(x - chunk max) * x (sampled rows)
     ndraft_ptr,  # from here on: the _accept_request arguments, used when FUSE
     ratio_ptr,
     topk_ptr,
@@ -128,6 +139,11 @@ def _row_stats_kernel(
     FUSE: tl.constexpr,  # the request's last program to finish runs _accept_request (no 2nd launch)
     HAS_Q: tl.constexpr,
     K1_P2: tl.constexpr,
+    RULES: tl.constexpr,  # some request uses the lenient or typical rule (rule_ptr.. are read)
+    rule_ptr,
+    lam_ptr,
+    eps_ptr,
+    alpha_ptr,
 ):
     # One program streams one chunk of one row in TILE-wide steps (_stats_loop), finds the lowest
     # index of each lane's max, and reduces across lanes once.
@@ -154,16 +170,16 @@ def _row_stats_kernel(
         d = tl.minimum(tl.maximum(d, 0), V - 1)
         xd = tl.where(has_draft, _scaled(tl.load(base + d), temp), float("inf"))
         if need_sum:  # sampled row or delta set: scaled logits and the online sum-exp
-            acc_m, acc_t, acc_c, acc_s = _stats_loop(
-                base, start, end, offs2, xd, temp, TILE, LANES, True, True
+            acc_m, acc_t, acc_c, acc_s, acc_x = _stats_loop(
+                base, start, end, offs2, xd, temp, TILE, LANES, True, True, RULES
             )
         else:  # greedy relaxable position: max, where it is, and the rank count of the draft
-            acc_m, acc_t, acc_c, acc_s = _stats_loop(
-                base, start, end, offs2, xd, temp, TILE, LANES, False, True
+            acc_m, acc_t, acc_c, acc_s, acc_x = _stats_loop(
+                base, start, end, offs2, xd, temp, TILE, LANES, False, True, False
             )
     else:  # greedy strict position (or the bonus row): max and where it is
-        acc_m, acc_t, acc_c, acc_s = _stats_loop(
-            base, start, end, offs2, 0.0, temp, TILE, LANES, False, False
+        acc_m, acc_t, acc_c, acc_s, acc_x = _stats_loop(
+            base, start, end, offs2, 0.0, temp, TILE, LANES, False, False, False
         )
     offs = acc_t[:, None] + offs2  # the step that first showed each lane's max
     x = _scaled(tl.load(base + offs, mask=(offs < end) & (acc_t >= 0)[:, None], other=float("-inf")), temp)
@@ -173,10 +189,15 @@ def _row_stats_kernel(
     idx = tl.min(tl.where(acc_m == m, acc_i, _INT32_MAX), 0)
     cnt = tl.sum(acc_c, 0)
     s = temp * 0.0 + 1.0  # fp32 scalar; 1 keeps the unused log-sum-exp finite
+    sx = temp * 0.0
     if need_sum:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         s = tl.sum(acc_s * tl.exp(acc_m - m_safe), 0)
+        if RULES:
+            sx = tl.sum(acc_x * tl.exp(acc_m - m_safe), 0)
     out = row.to(tl.int64) * NC + c
+    if RULES:
+        tl.store(psx_ptr + out, sx)
     tl.store(pmax_ptr + out, m)
     tl.store(pidx_ptr + out, idx)
     tl.store(pcnt_ptr + out, cnt)
@@ -193,6 +214,7 @@ def _row_stats_kernel(
                 b.to(tl.int64), logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr,
                 ratio_ptr, topk_ptr, delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr,
                 psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, K1_P2,
+                RULES, rule_ptr, lam_ptr, eps_ptr, alpha_ptr, psx_ptr,
             )  # fmt: skip
 
 
@@ -225,6 +247,12 @@ def _accept_request(
     NC,
     HAS_Q: tl.constexpr,
     K1_P2: tl.constexpr,
+    RULES: tl.constexpr,  # read the per-request rule and its parameters (else every row is topk_ratio)
+    rule_ptr,  # [B] int64: RULE_TOPK_RATIO / RULE_LENIENT / RULE_TYPICAL
+    lam_ptr,  # [B] float32 lambda (lenient)
+    eps_ptr,  # [B] float32 posterior_threshold (typical)
+    alpha_ptr,  # [B] float32 posterior_alpha (typical)
+    psx_ptr,  # [B*(K+1), NC] float32: sum exp(x - chunk max) * x
 ):
     # All K+1 rows of the request at once (no serial chain of loads): [K1_P2] per-row vectors.
     n = tl.load(ndraft_ptr + b)
@@ -243,6 +271,7 @@ def _accept_request(
     g = tl.full([K1_P2], _INT32_MAX, tl.int32)  # lowest index among chunks holding the max
     cnt = tl.zeros([K1_P2], tl.int32)
     ssum = tl.zeros([K1_P2], tl.float32)  # sum exp(x - m)
+    sxsum = tl.zeros([K1_P2], tl.float32)  # sum exp(x - m) * x (RULES only)
     for c0 in range(0, NC, NC_BLOCK):
         offs_c = c0 + tl.arange(0, NC_BLOCK)
         part = (b * (K + 1) + offs_k)[:, None] * NC + offs_c[None, :]
@@ -258,6 +287,10 @@ def _accept_request(
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)
         blk = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - safe[:, None])), 1)
         ssum = ssum * tl.exp(m - safe) + blk
+        if RULES:
+            px = tl.load(psx_ptr + part, mask=pmask, other=0.0, cache_modifier=".cg")
+            bx = tl.sum(tl.where(pm == float("-inf"), 0.0, px * tl.exp(pm - safe[:, None])), 1)
+            sxsum = sxsum * tl.exp(m - safe) + bx
         m = new_m
         cnt += tl.sum(pc, 1)
     lse = m + tl.log(ssum)
@@ -290,11 +323,21 @@ def _accept_request(
     # Uniforms at counter (row, token V) of the request's stream; tokens use counters < V.
     u = tl.rand(seed, (seed_offset.to(tl.int64) * (K + 1) + offs_k) * (V + 1) + V)
     lossless = u * qd < pd
+    relaxed_only = tl.where(greedy_v, d != g, pd < qd)
+    if RULES:
+        # Lenient: u * lambda * q(d) < p(d); typical: p(d) > min(eps, alpha * exp(-H(p))), H = lse -
+        # E_p[x]. Neither relaxes a greedy row; relaxed_accepted marks what lossless would reject.
+        rule = tl.load(rule_ptr + b)
+        entropy = lse - sxsum / ssum
+        tau = tl.minimum(zero + tl.load(eps_ptr + b), tl.load(alpha_ptr + b) * tl.exp(-entropy))
+        lenient = u * tl.load(lam_ptr + b) * qd < pd
+        rule_ok = relax_on & ~greedy_v & tl.where(rule == 1, lenient, (rule == 2) & (pd > tau))
+        relaxed = tl.where(rule == 0, relaxed, rule_ok)
+        relaxed_only = tl.where(rule == 0, relaxed_only, ~lossless)
     acc = tl.where(greedy_v, strict | relaxed, relaxed | lossless) & (offs_k < n) & is_pos
     # num_accepted = length of the leading run of accepts (acc is false from position n on).
     j = tl.min(tl.where(acc, K1_P2, offs_k), 0).to(tl.int64)
     in_run = offs_k < j
-    relaxed_only = tl.where(greedy_v, d != g, pd < qd)
     # Emitting row j: correction (j < n) or bonus (j == n); sampled requests get theirs from the race.
     g_j = tl.sum(tl.where(offs_k == j, g, 0), 0)
     lse_j = tl.sum(tl.where(offs_k == j, lse, 0.0), 0)
@@ -312,13 +355,15 @@ def _accept_kernel(
     logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr, temp_ptr, ratio_ptr, topk_ptr,
     delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr, psum_ptr, out_ptr, nacc_ptr,
     flag_ptr, emit_lse_ptr, V, K, NC,
-    HAS_Q: tl.constexpr, K1_P2: tl.constexpr,
+    HAS_Q: tl.constexpr, K1_P2: tl.constexpr, RULES: tl.constexpr, rule_ptr, lam_ptr, eps_ptr, alpha_ptr,
+    psx_ptr,
 ):  # fmt: skip
     # grid (B,): the same arguments as _accept_request
     _accept_request(
         tl.program_id(0).to(tl.int64), logits_ptr, stride_lb, stride_lr, draft_ptr, ndraft_ptr, mask_ptr,
         temp_ptr, ratio_ptr, topk_ptr, delta_ptr, q_ptr, seed_ptr, seed_offset, pmax_ptr, pidx_ptr, pcnt_ptr,
         psum_ptr, out_ptr, nacc_ptr, flag_ptr, emit_lse_ptr, V, K, NC, HAS_Q, K1_P2,
+        RULES, rule_ptr, lam_ptr, eps_ptr, alpha_ptr, psx_ptr,
     )  # fmt: skip
 
 
@@ -501,19 +546,31 @@ def rejection_sample_triton(
     s_b, s_r = logits.stride(0), logits.stride(1)
 
     has_q = draft_probs is not None
+    rules = batch.relax_rule is not None
+    if rules:  # the lenient / typical rows' inputs and the entropy partials
+        rule = batch.relax_rule.to(torch.int64).contiguous()  # type: ignore[union-attr]
+        lam, eps, alpha = (
+            t.to(torch.float32).contiguous()  # type: ignore[union-attr]
+            for t in (batch.relax_lambda, batch.posterior_threshold, batch.posterior_alpha)
+        )
+        psx = torch.empty(rows * nc, dtype=torch.float32, device=dev)
+    else:  # never read: RULES=False compiles the topk_ratio kernels alone
+        rule, lam, eps, alpha, psx = ndraft, temp, temp, temp, psum
     fuse = FUSE_ACCEPT
     count = counters(b, dev) if fuse else nacc  # nacc: an unused pointer
     _row_stats_kernel[(rows, nc)](
-        logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum,
+        logits, s_b, s_r, drafts, mask, temp, delta, pmax, pidx, pcnt, psum, psx,
         ndraft, ratio, top_k, q, seeds, seed_offset, out, nacc, flags, emit_lse, count, v, k, nc, chunk,
         TILE=stats_tile, VEC=min(STATS_VEC, stats_tile), FUSE=fuse, HAS_Q=has_q,
-        K1_P2=_p2(k + 1), num_warps=STATS_WARPS, **({"maxnreg": STATS_MAXNREG} if dev.type == "cuda" else {}),
+        K1_P2=_p2(k + 1), RULES=rules, rule_ptr=rule, lam_ptr=lam, eps_ptr=eps, alpha_ptr=alpha,
+        num_warps=STATS_WARPS, **({"maxnreg": STATS_MAXNREG} if dev.type == "cuda" else {}),
     )  # fmt: skip
     if not fuse:
         _accept_kernel[(b,)](
             logits, s_b, s_r, drafts, ndraft, mask, temp, ratio, top_k, delta, q, seeds, seed_offset,
             pmax, pidx, pcnt, psum, out, nacc, flags, emit_lse, v, k, nc,
-            HAS_Q=has_q, K1_P2=_p2(k + 1), num_warps=2,
+            HAS_Q=has_q, K1_P2=_p2(k + 1), RULES=rules, rule_ptr=rule, lam_ptr=lam, eps_ptr=eps,
+            alpha_ptr=alpha, psx_ptr=psx, num_warps=2,
         )  # fmt: skip
     if not all_greedy:
         nc = triton.cdiv(v, tile)  # the race runs one tile per program
