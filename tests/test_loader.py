@@ -167,7 +167,10 @@ def test_unsupported_architecture(ckpt: Path) -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["architectures"], cfg["model_type"] = ["MistralForCausalLM"], "mistral"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    supported = r"\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+    supported = (
+        r"\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen2MoeForCausalLM', 'Qwen3ForCausalLM', "
+        r"'Qwen3MoeForCausalLM'\]"
+    )
     with pytest.raises(
         ValueError, match=r"unsupported architecture \['MistralForCausalLM'\]; supported: " + supported
     ):

@@ -1,4 +1,5 @@
-"""The fields of a Hugging Face config.json that the dense decoder models need, validated.
+"""The fields of a Hugging Face config.json that the decoder models need (dense, and the routing of
+the mixture-of-experts ones), validated.
 
 Reads both spellings of rotary settings: `rope_theta` + `rope_scaling` (older checkpoints)
 and `rope_parameters` (transformers 5).
@@ -34,6 +35,11 @@ class DecoderConfig:
     torch_dtype: str | None  # the checkpoint's dtype name ("bfloat16", ...) if recorded
     eos_token_ids: list[int]
     bos_token_id: int | None
+    moe: MoEConfig | None = None  # mixture-of-experts routing (Qwen3-MoE, Qwen2-MoE); None = dense
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has the experts (else the dense MLP of intermediate_size)."""
+        return self.moe is not None and self.moe.is_sparse_layer(index)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], architecture: str) -> DecoderConfig:
@@ -92,6 +98,49 @@ class DecoderConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            moe=MoEConfig.from_dict(cfg, positive_int) if architecture in MOE_ARCHITECTURES else None,
+        )
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # each expert's FFN width
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int  # layer i has experts when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...]  # ... and i is not listed here
+    shared_expert_intermediate_size: int  # Qwen2-MoE's gated shared expert; 0 = none
+
+    def is_sparse_layer(self, index: int) -> bool:
+        return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], positive_int: Any) -> MoEConfig:
+        """The routing fields of a Qwen3-MoE / Qwen2-MoE config.json (transformers 5 writes
+        num_experts as num_local_experts); ValueError naming the bad field."""
+        name = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        experts = positive_int(name, cfg.get(name))
+        top_k = positive_int("num_experts_per_tok", cfg.get("num_experts_per_tok"))
+        if top_k > experts:
+            raise ValueError(f"config.json: num_experts_per_tok={top_k} must be in [1, {name}={experts}]")
+        layers = cfg.get("mlp_only_layers") or []
+        if not isinstance(layers, list) or not all(isinstance(i, int) and i >= 0 for i in layers):
+            raise ValueError(f"config.json: mlp_only_layers={layers!r} must be a list of layer indices >= 0")
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        return cls(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=positive_int("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=positive_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(layers),
+            shared_expert_intermediate_size=positive_int("shared_expert_intermediate_size", shared)
+            if shared
+            else 0,
         )
 
 

@@ -1,6 +1,8 @@
 """The dense pre-norm decoder shared by Qwen3, Qwen2 and Llama.
 
-The three architectures differ only in which projections carry a bias and whether queries and
+Mixture-of-experts models (qwen3_moe.py, qwen2_moe.py) are the same decoder with the experts'
+block (layers/moe.py) in place of the MLP in the layers their config makes sparse.
+The three dense architectures differ only in which projections carry a bias and whether queries and
 keys get a per-head RMSNorm; the subclasses in qwen3.py, qwen2.py and llama.py pick those.
 Input is a packed ragged batch: T tokens from any number of sequences, with the attention
 layout in the forward context.
@@ -30,6 +32,7 @@ from thinkspec.layers.attention import Attention
 from thinkspec.layers.embedding import VocabParallelEmbedding
 from thinkspec.layers.forward_context import get_forward_context
 from thinkspec.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from thinkspec.layers.moe import SparseMoeBlock
 from thinkspec.layers.norm import RMSNorm
 from thinkspec.layers.rotary import RotaryEmbedding
 from thinkspec.models.config import DecoderConfig
@@ -45,7 +48,7 @@ def set_fused_kernels(module: nn.Module, enabled: bool) -> None:
     if enabled:
         import thinkspec.layers.fused_triton  # noqa: F401 (fail here, not mid-forward, without triton)
     for m in module.modules():
-        if isinstance(m, (RMSNorm, DecoderAttention, DecoderMLP)):
+        if isinstance(m, (RMSNorm, DecoderAttention, DecoderMLP, SparseMoeBlock)):
             m.fused = enabled
         elif isinstance(m, Linear):
             m.gemv = enabled
@@ -154,6 +157,7 @@ class DecoderLayer(nn.Module):
         qk_norm: bool,
         mlp_bias: bool,
         tp: TPLayout,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -161,7 +165,14 @@ class DecoderLayer(nn.Module):
             cfg, rotary, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, tp=tp
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DecoderMLP(cfg, bias=mlp_bias, tp=tp)
+        self.mlp: DecoderMLP | SparseMoeBlock = DecoderMLP(cfg, bias=mlp_bias, tp=tp)
+        if cfg.moe is not None and cfg.is_sparse_layer(index):  # mixture-of-experts (layers/moe.py)
+            moe = cfg.moe
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size, num_experts=moe.num_experts, top_k=moe.num_experts_per_tok,
+                intermediate=moe.moe_intermediate_size, norm_topk_prob=moe.norm_topk_prob,
+                shared_intermediate=moe.shared_expert_intermediate_size, tp=tp,
+            )  # fmt: skip
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
@@ -183,7 +194,7 @@ class DecoderModel(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary_emb, tp=tp, **layout) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, self.rotary_emb, tp=tp, index=i, **layout) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

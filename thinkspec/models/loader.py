@@ -25,19 +25,27 @@ from torch import nn
 from thinkspec.distributed.parallel_state import TPLayout, check_tp_layout
 from thinkspec.engine_args import LOAD_FORMATS
 from thinkspec.layers.linear import MergedLinear
+from thinkspec.layers.moe import MoEExperts
 from thinkspec.layers.rotary import RotaryEmbedding
 from thinkspec.models.config import DecoderConfig
 from thinkspec.models.decoder import DecoderForCausalLM
 from thinkspec.models.llama import LlamaForCausalLM
 from thinkspec.models.qwen2 import Qwen2ForCausalLM
+from thinkspec.models.qwen2_moe import Qwen2MoeForCausalLM
 from thinkspec.models.qwen3 import Qwen3ForCausalLM
+from thinkspec.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
-_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_MODEL_TYPES = {
+    "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+}  # fmt: skip
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -319,7 +327,7 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                             f"expected {tuple(target.shape)}"
                         )
                     target.copy_(tensor)
-                    loaded.add(name)
+                    loaded.update(_covered(model, name))
         except SafetensorError as e:
             raise ValueError(f"corrupt safetensors file {file}: {e}") from e
     missing = sorted(set(expected) - loaded)
@@ -333,15 +341,30 @@ def _expected_tensors(model: DecoderForCausalLM) -> list[str]:
     names = []
     merged = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
     inverse = {(mod, shard): ckpt for ckpt, (mod, shard) in model.packed_modules.items()}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, MoEExperts)}
     for pname, _ in model.named_parameters():  # tied lm_head.weight appears once, as embed_tokens
         module_name, _, leaf = pname.rpartition(".")
-        if module_name in merged:
+        if module_name in experts:  # stacked or per expert: expected as the per-expert names
+            if leaf == "gate_up_proj":
+                names.extend(experts[module_name].checkpoint_names(module_name))
+        elif module_name in merged:
             parent, _, short = module_name.rpartition(".")
             for shard in merged[module_name].shard_sizes:
                 names.append(f"{parent}.{inverse[(short, shard)]}.{leaf}")
         else:
             names.append(pname)
     return names
+
+
+def _covered(model: DecoderForCausalLM, name: str) -> list[str]:
+    # the names _expected_tensors lists that checkpoint tensor `name` loads (a stacked experts
+    # tensor stands for one name per expert)
+    module_name, _, leaf = name.rpartition(".")
+    if leaf in ("gate_up_proj", "down_proj") and module_name.endswith("experts"):
+        module = model.get_submodule(module_name)
+        if isinstance(module, MoEExperts):
+            return module.covered_names(module_name, leaf)
+    return [name]
 
 
 def _read_slice(sl: Any, part: tuple[int, int, int], name: str, file: str) -> torch.Tensor:
@@ -380,6 +403,10 @@ def _target(
         module = model.get_submodule(name.rpartition(".")[0])
         part = module.checkpoint_slice(parts[-1]) if hasattr(module, "checkpoint_slice") else None
         return params[name].data, part
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit():  # experts.{e}.{proj}.weight
+        experts = _submodule(model, ".".join(parts[:-3]))
+        if isinstance(experts, MoEExperts):
+            return experts.expert_target(int(parts[-3]), parts[-2], parts[-1])
     if len(parts) >= 2 and parts[-2] in model.packed_modules:
         merged_name, shard = model.packed_modules[parts[-2]]
         merged_param = ".".join([*parts[:-2], merged_name, parts[-1]])
@@ -389,6 +416,13 @@ def _target(
     cls = type(model).__name__
     warnings.warn(f"checkpoint tensor {name!r} has no counterpart in {cls}; ignored", stacklevel=3)
     return None
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def load_tokenizer(source: str, vocab_size: int, *, explicit: bool) -> tuple[Any | None, str]:
