@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from thinkspec.config import validate_relax_fields
+from thinkspec.config import RELAX_RULES, RULE_KNOBS, validate_relax_fields, validate_rule_fields
 
 if TYPE_CHECKING:
     from thinkspec.config import SpeculativeConfig
@@ -25,11 +25,20 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_N = 128
 # vLLM's ranges for the OpenAI penalties.
 MAX_ABS_PENALTY = 2.0
+# repetition_penalty divides or multiplies logits: outside this range a logit overflows to inf or
+# underflows to 0 (vLLM asks only > 0, and 5e-324 then breaks the step).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# logit_bias: OpenAI's range of one bias; token ids are checked against the vocabulary when added.
+MAX_ABS_LOGIT_BIAS = 100.0
 # The relaxed test's settings where neither the request nor the engine gives them: ratio 1 with
 # top-k 1 admits only a draft tied with the argmax.
 DEFAULT_RELAX_RATIO = 1.0
 DEFAULT_RELAX_TOP_K = 1
-_RELAX_KNOBS = ("relax_ratio", "relax_top_k", "relax_delta")
+# The lenient and typical rules' defaults: lambda 1 is lossless; vLLM's typical acceptance sampler's.
+DEFAULT_RELAX_LAMBDA = 1.0
+DEFAULT_POSTERIOR_THRESHOLD = 0.09
+DEFAULT_POSTERIOR_ALPHA = 0.3
+_RELAX_KNOBS = ("relax_ratio", "relax_top_k", "relax_delta", *RULE_KNOBS)
 
 
 def _show(value: object, limit: int = 60) -> str:
@@ -74,13 +83,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0  # [-2, 2]: minus this from tokens already in the output
     frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
-    repetition_penalty: float = 1.0  # > 0: HF's, over prompt + output (divide positive, multiply negative)
+    # [0.01, 100]: HF's, over prompt + output (divide positive logits, multiply negative ones)
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> value in [-100, 100] added to its logit
     logprobs: int | None = None  # top log-probabilities per output token (+ the chosen one); 0 = chosen only
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     relaxed_thinking: bool | None = None
     relax_ratio: float | None = None
     relax_top_k: int | None = None
     relax_delta: float | None = None
+    relax_rule: str | None = None  # "topk_ratio", "lenient" or "typical" (docs/ACCEPTANCE.md)
+    relax_lambda: float | None = None  # (0, 1], lenient
+    posterior_threshold: float | None = None  # [0, 1], typical
+    posterior_alpha: float | None = None  # >= 0, typical
     # At most this many tokens inside <think>; then the next token is </think>. -1 = None = no limit.
     thinking_token_budget: int | None = None
 
@@ -101,7 +116,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), lo=-MAX_ABS_PENALTY, hi=MAX_ABS_PENALTY)
-        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, what="(0, inf)")
+        lo, hi = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        _check_number("repetition_penalty", self.repetition_penalty, lo=lo, hi=hi)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -139,6 +156,9 @@ class SamplingParams:
             relax_top_k=self.relax_top_k,
             relax_delta=self.relax_delta,
         )
+        rule_knobs = (self.relax_rule, self.relax_lambda, self.posterior_threshold, self.posterior_alpha)
+        rule_knobs = validate_rule_fields("SamplingParams", *rule_knobs)
+        self.relax_rule, self.relax_lambda, self.posterior_threshold, self.posterior_alpha = rule_knobs
 
     @property
     def is_greedy(self) -> bool:
@@ -147,6 +167,18 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    """None or {token id >= 0: finite value in [-100, 100]} (an empty dict is None)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_show(bias)}")
+    for token, value in bias.items():
+        _check_int("logit_bias", token, 0, INT64_MAX, f"keyed by token ids in [0, {INT64_MAX}]")
+        _check_number("logit_bias", value, lo=-MAX_ABS_LOGIT_BIAS, hi=MAX_ABS_LOGIT_BIAS)
+    return {int(t): float(v) for t, v in bias.items()} or None
 
 
 def _check_number(
@@ -183,6 +215,15 @@ class RelaxSettings:
     ratio: float = DEFAULT_RELAX_RATIO  # [0, 1]
     top_k: int = DEFAULT_RELAX_TOP_K  # [1, MAX_RELAX_TOP_K]
     delta: float = math.nan  # [0, 1], NaN = unset
+    rule: str = RELAX_RULES[0]  # one of RELAX_RULES
+    lam: float = DEFAULT_RELAX_LAMBDA  # (0, 1], lenient
+    threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # [0, 1], typical
+    alpha: float = DEFAULT_POSTERIOR_ALPHA  # >= 0, typical
+
+    @property
+    def rule_code(self) -> int:
+        """The rule's index in RELAX_RULES (the device's relax_rule code)."""
+        return RELAX_RULES.index(self.rule)
 
 
 RELAX_OFF = RelaxSettings()
@@ -213,7 +254,14 @@ def resolve_relax(
     ratio = _first_set(params.relax_ratio, c.relax_ratio if c else None, DEFAULT_RELAX_RATIO)
     top_k = _first_set(params.relax_top_k, c.relax_top_k if c else None, DEFAULT_RELAX_TOP_K)
     delta = _first_set(params.relax_delta, c.relax_delta if c else None, math.nan)
-    return RelaxSettings(True, float(ratio), int(top_k), float(delta))
+    rule = params.relax_rule or (c.relax_rule if c else None) or RELAX_RULES[0]
+    lam = _first_set(params.relax_lambda, c.relax_lambda if c else None, DEFAULT_RELAX_LAMBDA)
+    eps = _first_set(
+        params.posterior_threshold, c.posterior_threshold if c else None, DEFAULT_POSTERIOR_THRESHOLD
+    )
+    alpha = _first_set(params.posterior_alpha, c.posterior_alpha if c else None, DEFAULT_POSTERIOR_ALPHA)
+    settings = (float(ratio), int(top_k), float(delta), rule, float(lam), float(eps), float(alpha))
+    return RelaxSettings(True, *settings)
 
 
 def _first_set(*values: float | None) -> float:

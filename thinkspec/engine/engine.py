@@ -129,7 +129,13 @@ class LLMEngine:
         check_prompt_input(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt(request_id, token_ids)
-        check_stop_token_ids(request_id, params, token_vocab_size(self.tokenizer, self.model_info.vocab_size))
+        vocab = token_vocab_size(self.tokenizer, self.model_info.vocab_size)
+        check_stop_token_ids(request_id, params, vocab)
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias={bad} is outside the vocabulary [0, {vocab})"
+            )
         if params.relaxed_thinking and (self.speculator is None or self.reasoning is None):
             raise ValueError(
                 f"request {request_id!r}: relaxed_thinking=True needs speculative decoding with a reasoning "

@@ -1,4 +1,4 @@
-"""Penalties and log-probabilities for the requests of a step that ask for them.
+"""Logit bias, penalties and log-probabilities for the requests of a step that ask for them.
 
 A step whose requests ask for neither builds nothing here (`StepExtras.build` returns None), so
 plain decoding pays no extra host work, device work or copies.
@@ -38,14 +38,17 @@ class StepExtras:
     penalties: PenaltyTensors | None
     logprob_rows: list[int]  # sequences that want output logprobs
     num_logprobs: int  # the most alternatives any of them wants
+    bias: torch.Tensor | None = None  # [S, V] float32: logit_bias, 0 where a request sets none
 
     @classmethod
     def build(cls, seqs: Seq[Sequence], vocab_size: int, device: torch.device) -> StepExtras | None:
         params = [s.sampling_params for s in seqs]
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         penalised = any(p.has_penalties for p in params)
-        if not rows and not penalised:
+        biased = any(p.logit_bias for p in params)
+        if not rows and not penalised and not biased:
             return None
+        bias = _bias_rows([p.logit_bias for p in params], vocab_size, device) if biased else None
         penalties = None
         if penalised:
             penalties = PenaltyTensors.build(
@@ -55,10 +58,13 @@ class StepExtras:
                 vocab_size,
                 device,
             )
-        return cls(penalties, rows, max((params[i].logprobs for i in rows), default=0))
+        return cls(penalties, rows, max((params[i].logprobs for i in rows), default=0), bias)
 
     def penalise(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [S, V] float32 (one row per sequence) -> [S, V], penalised (a new tensor)."""
+        """logits [S, V] float32 (one row per sequence) -> [S, V], biased then penalised (vLLM's
+        order; a new tensor when either applies)."""
+        if self.bias is not None:
+            logits = logits + self.bias
         t = self.penalties
         if t is None:
             return logits
@@ -70,7 +76,11 @@ class StepExtras:
         drafts: torch.Tensor,  # [S, k] int64
         num_drafts: torch.Tensor,  # [S] int64
     ) -> torch.Tensor:
-        """Verify windows -> [S, k+1, V]: row i penalised as if drafts 1..i were committed."""
+        """Verify windows -> [S, k+1, V]: every row biased (the bias does not depend on the prefix),
+        then row i penalised as if drafts 1..i were committed; acceptance then tests the drafts
+        against the distribution plain decoding would sample from."""
+        if self.bias is not None:
+            target = target + self.bias[:, None, :]
         t = self.penalties
         if t is None:
             return target
@@ -93,6 +103,16 @@ class StepExtras:
 
     def _index(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.logprob_rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _bias_rows(biases: Seq[dict[int, float] | None], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """One logit_bias per sequence (None = none) -> [S, V] float32 on `device` (ids were checked
+    against the vocabulary when the request was added)."""
+    host = torch.zeros(len(biases), vocab_size, dtype=torch.float32)
+    for row, bias in enumerate(biases):
+        if bias:
+            host[row, list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(slots=True)
