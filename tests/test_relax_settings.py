@@ -85,10 +85,75 @@ def test_verify_rows_read_back_each_request_by_name():
     )
     b = Sequence("b", [3], SamplingParams(temperature=0.7, thinking_token_budget=40))
     rows = VerifyRows([VerifyRows.row(3, a, -1), VerifyRows.row(0, b, 40)], torch.device("cpu"))
-    assert rows.dev.shape == (2, 9) and rows.dev.dtype == torch.float64
+    assert rows.dev.shape == (2, 13) and rows.dev.dtype == torch.float64
     assert rows.num_drafts.tolist() == [3, 0] and rows.num_drafts.dtype == torch.int64
     assert rows.relax_on.tolist() == [True, False]
     assert rows.ratio.tolist() == [0.25, 1.0] and rows.top_k.tolist() == [8, 1]
     assert rows.delta[0].item() == 0.5 and math.isnan(rows.delta[1].item())
     assert rows.thinking.tolist() == [True, False] and rows.thinking_tokens.tolist() == [7, 0]
     assert rows.temperature.tolist() == [0.0, 1.0] and rows.budget.tolist() == [-1, 40]
+    fields = rows.rule_fields()
+    assert fields["relax_rule"].tolist() == [0, 0] and fields["relax_rule"].dtype == torch.int64
+    assert fields["relax_lambda"].tolist() == [1.0, 1.0]
+    assert not VerifyRows.any_rule([a, b])
+    lenient = Sequence("c", [1], SamplingParams(temperature=0.6), relax=RelaxSettings(True, rule="typical",
+                       threshold=0.25, alpha=0.5, lam=0.75))  # fmt: skip
+    rows = VerifyRows([VerifyRows.row(1, lenient, -1), VerifyRows.row(0, b, 40)], torch.device("cpu"))
+    fields = rows.rule_fields()
+    assert fields["relax_rule"].tolist() == [2, 0] and fields["relax_lambda"].tolist() == [0.75, 1.0]
+    assert fields["posterior_threshold"].tolist() == [0.25, 0.09000000357627869]
+    assert fields["posterior_alpha"].tolist() == [0.5, 0.30000001192092896]
+    assert VerifyRows.any_rule([a, lenient])
+
+
+def test_rule_resolves_request_then_config_then_default():
+    cfg = _spec(relaxed_thinking=True, relax_rule="lenient", relax_lambda=0.5)
+    r = resolve_relax(SamplingParams(), cfg)
+    assert (r.rule, r.lam, r.threshold, r.alpha) == ("lenient", 0.5, 0.09, 0.3)
+    r = resolve_relax(SamplingParams(relax_rule="typical", posterior_threshold=0.2), cfg)
+    assert (r.rule, r.lam, r.threshold, r.alpha, r.rule_code) == ("typical", 0.5, 0.2, 0.3, 2)
+    r = resolve_relax(SamplingParams(), _spec(relaxed_thinking=True))
+    assert (r.rule, r.lam, r.rule_code) == ("topk_ratio", 1.0, 0)
+    with pytest.raises(ValueError, match="relax_lambda set but relaxed thinking is off"):
+        resolve_relax(SamplingParams(relax_lambda=0.5), _spec())
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("relax_rule", "greedy", r"relax_rule must be one of \['topk_ratio', 'lenient', 'typical'\]"),
+        ("relax_lambda", 0.0, r"relax_lambda must be a float in \(0, 1\]"),
+        ("relax_lambda", 1.01, r"relax_lambda must be a float in \(0, 1\]"),
+        ("posterior_threshold", 1.5, r"posterior_threshold must be a float in \[0, 1\]"),
+        ("posterior_alpha", -1.0, "posterior_alpha must be a finite float >= 0"),
+        ("posterior_alpha", math.inf, "posterior_alpha must be a finite float >= 0"),
+    ],
+)
+def test_rule_fields_are_validated_at_construction(field, value, match):
+    with pytest.raises(ValueError, match="SamplingParams." + match):
+        SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="SpeculativeConfig." + match):
+        _spec(relaxed_thinking=True, **{field: value})
+    with pytest.raises(ValueError, match="given without relaxed_thinking=True"):
+        _spec(**{field: "lenient" if field == "relax_rule" else 0.5})
+
+
+def test_lenient_lambda_one_matches_strict_end_to_end(tmp_path):
+    # Lenient with lambda = 1 accepts exactly where the lossless test does (same uniforms), so with
+    # the same seed its tokens are the strict engine's; a small lambda relaxes and changes them.
+    target = tiny_checkpoint("qwen3", tied=True)
+    draft = noisy_copy(target, tmp_path / "noisy", 0.3)
+    cfg = {"model": str(draft), "num_speculative_tokens": 3, "reasoning_parser": "qwen3"}
+    prompts = [[72, 105, 33, THINK_ID]] * 3
+    strict = LLM(target, device="cpu", speculative_config=cfg)
+    relaxed = {**cfg, "relaxed_thinking": True, "relax_rule": "lenient"}
+    lenient = LLM(target, device="cpu", speculative_config=relaxed)
+
+    def run(llm, **kw):
+        params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=7, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    base = run(strict)
+    assert len(base) == 3 and all(len(t) == 24 for t in base)
+    assert run(lenient, relax_lambda=1.0) == base
+    assert run(lenient, relax_lambda=0.05) != base

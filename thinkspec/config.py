@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 SPEC_METHODS = ("draft_model", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_RELAX_TOP_K = 64
+# Relaxed acceptance rules (docs/ACCEPTANCE.md); the first is the default. Their codes on the device
+# are the indices here (thinkspec.sampling.rejection_common.RULE_*).
+RELAX_RULES = ("topk_ratio", "lenient", "typical")
+# The rule-specific knobs beside relax_ratio / relax_top_k / relax_delta.
+RULE_KNOBS = ("relax_rule", "relax_lambda", "posterior_threshold", "posterior_alpha")
 # vLLM's n-gram defaults: both bounds unset -> 5/5; one set -> the other copies it.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -82,6 +87,30 @@ def validate_relax_fields(
     return relaxed_thinking, relax_ratio, relax_top_k, relax_delta
 
 
+def validate_rule_fields(
+    owner: str,
+    relax_rule: str | None,
+    relax_lambda: float | None,
+    posterior_threshold: float | None,
+    posterior_alpha: float | None,
+) -> tuple[str | None, float | None, float | None, float | None]:
+    """Validate the relax rule and its knobs (None = unset passes through); floats normalised.
+    ValueError names `owner.field` and the allowed range."""
+    if relax_rule is not None and relax_rule not in RELAX_RULES:
+        raise ValueError(f"{owner}.relax_rule must be one of {list(RELAX_RULES)}, got {relax_rule!r}")
+    if relax_lambda is not None:
+        if not _is_real(relax_lambda) or not 0.0 < relax_lambda <= 1.0:
+            raise ValueError(f"{owner}.relax_lambda must be a float in (0, 1], got {relax_lambda!r}")
+        relax_lambda = float(relax_lambda)
+    if posterior_threshold is not None:
+        posterior_threshold = _check_unit_float(owner, "posterior_threshold", posterior_threshold)
+    if posterior_alpha is not None:
+        if not _is_real(posterior_alpha) or posterior_alpha < 0:
+            raise ValueError(f"{owner}.posterior_alpha must be a finite float >= 0, got {posterior_alpha!r}")
+        posterior_alpha = float(posterior_alpha)
+    return relax_rule, relax_lambda, posterior_threshold, posterior_alpha
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """How the engine speculates, and how it relaxes acceptance inside `<think>`.
@@ -102,6 +131,8 @@ class SpeculativeConfig:
       1 <= min <= max; both unset -> 5 and 5, one unset -> it takes the other's value.
     - relaxed_thinking / relax_ratio / relax_top_k / relax_delta: the relaxed test
       (see docs/ACCEPTANCE.md); engine defaults, overridable per request.
+    - relax_rule: "topk_ratio" (the relaxed test above, default), "lenient" (relax_lambda in
+      (0, 1]) or "typical" (posterior_threshold in [0, 1], posterior_alpha >= 0); per request too.
     - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
       its markers, or without a parser (both given) define a generic one.
     """
@@ -115,6 +146,10 @@ class SpeculativeConfig:
     relax_ratio: float | None = None  # None = unset: the request's, else 1.0
     relax_top_k: int | None = None  # None = unset: the request's, else 1
     relax_delta: float | None = None
+    relax_rule: str | None = None  # None = unset: the request's, else "topk_ratio"
+    relax_lambda: float | None = None  # None = unset: the request's, else 1 (lossless)
+    posterior_threshold: float | None = None  # None = unset: the request's, else 0.09 (vLLM's)
+    posterior_alpha: float | None = None  # None = unset: the request's, else 0.3 (vLLM's)
     reasoning_parser: str | None = None
     think_start_token: str | None = None
     think_end_token: str | None = None
@@ -311,7 +346,11 @@ def check_relax_settings(cfg: SpeculativeConfig, owner: str) -> None:
         relax_delta=cfg.relax_delta,
         owner=owner,
     )
-    given = [name for name in ("relax_ratio", "relax_top_k", "relax_delta") if getattr(cfg, name) is not None]
+    cfg.relax_rule, cfg.relax_lambda, cfg.posterior_threshold, cfg.posterior_alpha = validate_rule_fields(
+        owner, cfg.relax_rule, cfg.relax_lambda, cfg.posterior_threshold, cfg.posterior_alpha
+    )
+    knobs = ("relax_ratio", "relax_top_k", "relax_delta", *RULE_KNOBS)
+    given = [name for name in knobs if getattr(cfg, name) is not None]
     if given and cfg.relaxed_thinking is not True:
         raise ValueError(
             f"{owner}.{', '.join(given)} given without relaxed_thinking=True, so they would be ignored: "

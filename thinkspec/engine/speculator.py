@@ -331,9 +331,11 @@ class Speculator:
             ]
             seeds = torch.tensor(seeds, dtype=torch.long).to(self.device, non_blocking=True)
         # Sampled rows reach rejection_sample already scaled, so their temperature is 1, 0 = greedy.
+        # Lenient / typical rows ride in the rule fields; without them the default kernels run.
+        rules = rows.rule_fields() if VerifyRows.any_rule(seqs) else {}
         batch = AcceptanceBatch(
             target, drafts, num_drafts, relax_mask, rows.temperature, rows.ratio, rows.top_k, rows.delta,
-            proposal.draft_probs, seeds, all_greedy=all_greedy,
+            draft_probs=proposal.draft_probs, seeds=seeds, all_greedy=all_greedy, **rules,
         )  # fmt: skip
         result = rejection_sample(batch, self.generator)
         lp = extras.logprobs(raw, result.output_token_ids) if extras is not None else None

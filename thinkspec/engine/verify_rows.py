@@ -17,6 +17,7 @@ class VerifyRows:
 
     # Column indices, in `row`'s order.
     NUM_DRAFTS, RELAX_ON, RATIO, TOP_K, DELTA, THINKING, SAMPLED, THINKING_TOKENS, BUDGET = range(9)
+    RULE, LAMBDA, THRESHOLD, ALPHA = range(9, 13)
 
     __slots__ = ("dev",)
 
@@ -26,12 +27,28 @@ class VerifyRows:
     @staticmethod
     def row(num_drafts: int, seq: Sequence, budget: int) -> tuple[float, ...]:
         """One request's row: its drafts this step, its resolved relax settings, its phase, whether it
-        samples, its thinking tokens and its thinking budget (-1 = none)."""
+        samples, its thinking tokens, its thinking budget (-1 = none), then its relax rule's code and
+        parameters (lambda, posterior_threshold, posterior_alpha)."""
         relax = seq.relax
         return (
             float(num_drafts), float(relax.enabled), relax.ratio, float(relax.top_k), relax.delta,
             float(seq.thinking), float(not seq.sampling_params.is_greedy), float(seq.num_thinking_tokens),
-            float(budget),
+            float(budget), float(relax.rule_code), relax.lam, relax.threshold, relax.alpha,
+        )  # fmt: skip
+
+    @staticmethod
+    def any_rule(seqs: list[Sequence]) -> bool:
+        """Whether a request relaxes with a rule other than topk_ratio (the acceptance then needs the
+        rule columns; without one the default kernels run)."""
+        return any(s.relax.enabled and s.relax.rule_code != 0 for s in seqs)
+
+    def rule_fields(self) -> dict[str, torch.Tensor]:
+        """AcceptanceBatch's rule fields: relax_rule [S] int64, relax_lambda / posterior_threshold /
+        posterior_alpha [S] float32."""
+        d = self.dev
+        return dict(
+            relax_rule=d[:, self.RULE].long(), relax_lambda=d[:, self.LAMBDA].float(),
+            posterior_threshold=d[:, self.THRESHOLD].float(), posterior_alpha=d[:, self.ALPHA].float(),
         )  # fmt: skip
 
     @property

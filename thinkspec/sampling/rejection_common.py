@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from thinkspec.config import RELAX_RULES
+
 
 @dataclass(frozen=True, slots=True)
 class AcceptanceBatch:
@@ -49,8 +51,9 @@ class AcceptanceBatch:
 
 
 # relax_rule codes, in SpeculativeConfig.relax_rule's names (RELAX_RULES order).
-RULE_TOPK_RATIO, RULE_LENIENT, RULE_TYPICAL = 0, 1, 2
-RELAX_RULES = ("topk_ratio", "lenient", "typical")
+RULE_TOPK_RATIO, RULE_LENIENT, RULE_TYPICAL = (
+    RELAX_RULES.index(r) for r in ("topk_ratio", "lenient", "typical")
+)
 _RULE_FIELDS = ("relax_rule", "relax_lambda", "posterior_threshold", "posterior_alpha")
 
 
