@@ -315,3 +315,21 @@ def test_sizes_that_do_not_split_the_model_are_refused_before_any_process_starts
         LLM(str(qwen3), device="cpu", tensor_parallel_size=8, speculative_config=spec)
     assert time.monotonic() - start < 5
     assert not dist.is_initialized()
+
+
+def test_moe_tp2_greedy_and_ngram_equal_tp1():
+    # the experts' intermediate dimension (and Qwen2-MoE's shared expert) split over 2 ranks
+    from moe_checkpoints import moe_checkpoint
+
+    for arch in ("qwen3_moe", "qwen2_moe"):
+        path = moe_checkpoint(arch, mlp_only_layers=(2,))
+        greedy, _ = _run(path, GREEDY)
+        llm = LLM(str(path), device="cpu", tensor_parallel_size=2, speculative_config=NGRAM)
+        try:
+            assert _tokens(llm.generate(PROMPTS, STRICT, use_tqdm=False)) == greedy
+            assert llm.last_spec_metrics.total.num_drafts > 0
+        finally:
+            llm.shutdown()
+        assert [len(t) for t in greedy] == [GREEDY.max_tokens] * len(PROMPTS)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide moe_intermediate_size=33"):
+        LLM(str(moe_checkpoint(moe_intermediate_size=33)), device="cpu", tensor_parallel_size=2)

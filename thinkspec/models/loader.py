@@ -107,10 +107,7 @@ def load_model(
     arch = _architecture(raw)
     cfg = DecoderConfig.from_dict(raw, arch)
     tp = tp or TPLayout()
-    check_tp_layout(
-        tp.size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        intermediate_size=cfg.intermediate_size,
-    )  # fmt: skip
+    _check_tp_layout(cfg, tp.size)
     gen = _read_json(path / "generation_config.json", required=False) or {}
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -169,12 +166,22 @@ def check_tensor_parallel_size(model: str | Path, size: int, field_name: str) ->
     raw = _read_json(resolve_model_path(model) / "config.json", required=True) or {}
     cfg = DecoderConfig.from_dict(raw, _architecture(raw))
     try:
-        check_tp_layout(
-            size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            intermediate_size=cfg.intermediate_size,
-        )  # fmt: skip
+        _check_tp_layout(cfg, size)
     except ValueError as e:
         raise ValueError(str(e).replace("tensor_parallel_size", field_name, 1) + f" ({model})") from None
+
+
+def _check_tp_layout(cfg: DecoderConfig, size: int) -> None:
+    # ValueError (naming tensor_parallel_size) when the heads, MLP or experts do not split `size` ways
+    check_tp_layout(
+        size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size,
+    )  # fmt: skip
+    if cfg.moe is not None:
+        layout = TPLayout(0, size)
+        layout.split(cfg.moe.moe_intermediate_size, "moe_intermediate_size")
+        if cfg.moe.shared_expert_intermediate_size:
+            layout.split(cfg.moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
 
 
 @torch.no_grad()
