@@ -95,6 +95,20 @@ def test_typical_sampling_yields_pi(eps, alpha):
     assert torch.equal(res.relaxed_accepted[:, 0] & ~inside[drafts], torch.zeros(N, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("alpha, token, always", [(0.36, 1, True), (0.15, 3, False)])
+def test_typical_threshold_follows_the_entropy(alpha, token, always):
+    # The threshold is min(eps, alpha * exp(-H(p))) with H in nats: these alphas put it just below
+    # p(1) and just above p(3), both drafts with p < q, so only the entropy term decides.
+    logits, p, q = dist_setup(seed=2)
+    assert typical_set(p, 0.2, alpha)[token] == always and p[token] < q[token]
+    drafts = torch.full((400,), token)
+    res = rejection_sample_reference(
+        _batch(logits, drafts, q, rule=RULE_TYPICAL, eps=0.2, alpha=alpha), torch.Generator().manual_seed(9)
+    )
+    acc = res.num_accepted == 1
+    assert bool(acc.all()) == always and acc.any()
+
+
 def test_typical_lossless_limit_and_most_lenient_limit():
     # Threshold 1 with alpha large enough that alpha * exp(-H) >= 1: no token passes, pi = p.
     res, _, p, q = _sample(seed=47, rule=RULE_TYPICAL, eps=1.0, alpha=1e6)

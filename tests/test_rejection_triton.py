@@ -368,6 +368,14 @@ def test_interp_rules_exact(small_tiles):
     assert not (res.relaxed_accepted[:, 0] & ~inside[drafts]).any()
     kw, drafts, p, q = _rule_kw(40, 1, 1.0, 0.0, 0.0)
     assert not _tri(**kw, seeds=torch.arange(40)).relaxed_accepted.any()
+    # The entropy term decides: at (0.2, 0.36) token 1 (p < q) is typical only through
+    # delta * exp(-H) < p(1); at (0.2, 0.15) token 3 (p < q) is not, and then is accepted w.p. p / q.
+    for alpha, token, always in [(0.36, 1, True), (0.15, 3, False)]:
+        assert typical_set(p, 0.2, alpha)[token] == always
+        kw, _, _, _ = _rule_kw(24, 2, 1.0, 0.2, alpha)
+        kw["draft_token_ids"] = torch.full((24, 1), token)
+        acc = _tri(**kw, seeds=torch.arange(24) + 1).num_accepted
+        assert bool((acc == 1).all()) == always and (acc == 1).any()
     kw, drafts, p, q = _rule_kw(40, 1, 0.01, 0.0, 0.0, temp=0.0)
     res = _tri(**kw, all_greedy=True)
     assert torch.equal(res.num_accepted, (drafts == 4).long()) and not res.relaxed_accepted.any()
