@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,11 @@ MAX_RELAX_TOP_K = 64
 RELAX_RULES = ("topk_ratio", "lenient", "typical")
 # The rule-specific knobs beside relax_ratio / relax_top_k / relax_delta.
 RULE_KNOBS = ("relax_rule", "relax_lambda", "posterior_threshold", "posterior_alpha")
+# relax_protect: named token classes (thinkspec.reasoning.tracker.PROTECT_CLASSES defines them), and
+# the most items and regex characters one setting may hold.
+PROTECT_CLASSES = ("digits", "operators")
+MAX_PROTECT_ITEMS = 4096
+MAX_PROTECT_REGEX_CHARS = 512
 # vLLM's n-gram defaults: both bounds unset -> 5/5; one set -> the other copies it.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -111,6 +117,31 @@ def validate_rule_fields(
     return relax_rule, relax_lambda, posterior_threshold, posterior_alpha
 
 
+def validate_protect(owner: str, value: Any) -> tuple[int | str, ...] | None:
+    """relax_protect as a tuple of items (None = unset): token ids >= 0, class names in
+    PROTECT_CLASSES, or "re:<regex>" (a regex searched in each token's text). One item alone may be
+    given without a list. ValueError names `owner.relax_protect` and what it allows."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, int)) else value
+    regex = f"'re:<regex>' (<= {MAX_PROTECT_REGEX_CHARS} chars)"
+    what = f"token ids >= 0, class names {list(PROTECT_CLASSES)} or {regex}"
+    if not isinstance(items, (list, tuple)) or len(items) > MAX_PROTECT_ITEMS:
+        most = f"a list of at most {MAX_PROTECT_ITEMS}"
+        raise ValueError(f"{owner}.relax_protect must be {most} {what}, got {value!r}")
+    for item in items:
+        ok = (_is_int(item) and item >= 0) or item in PROTECT_CLASSES
+        if isinstance(item, str) and item.startswith("re:") and len(item) <= MAX_PROTECT_REGEX_CHARS + 3:
+            try:
+                re.compile(item[3:])
+                ok = True
+            except re.error as exc:
+                raise ValueError(f"{owner}.relax_protect regex {item[3:]!r} is invalid: {exc}") from None
+        if not ok:
+            raise ValueError(f"{owner}.relax_protect items must be {what}, got {item!r}")
+    return tuple(items)
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """How the engine speculates, and how it relaxes acceptance inside `<think>`.
@@ -133,6 +164,9 @@ class SpeculativeConfig:
       (see docs/ACCEPTANCE.md); engine defaults, overridable per request.
     - relax_rule: "topk_ratio" (the relaxed test above, default), "lenient" (relax_lambda in
       (0, 1]) or "typical" (posterior_threshold in [0, 1], posterior_alpha >= 0); per request too.
+    - relax_protect: drafts checked strictly even where relaxation is on, like the think markers:
+      token ids, named classes ("digits": text has a digit; "operators") and "re:<regex>" over
+      token text; a request's list replaces the engine's.
     - reasoning_parser: "deepseek_r1" or "qwen3"; think_start_token / think_end_token override
       its markers, or without a parser (both given) define a generic one.
     """
@@ -150,6 +184,7 @@ class SpeculativeConfig:
     relax_lambda: float | None = None  # None = unset: the request's, else 1 (lossless)
     posterior_threshold: float | None = None  # None = unset: the request's, else 0.09 (vLLM's)
     posterior_alpha: float | None = None  # None = unset: the request's, else 0.3 (vLLM's)
+    relax_protect: Any = None  # None = unset; validated into a tuple of ids / class names / "re:..."
     reasoning_parser: str | None = None
     think_start_token: str | None = None
     think_end_token: str | None = None
@@ -349,7 +384,8 @@ def check_relax_settings(cfg: SpeculativeConfig, owner: str) -> None:
     cfg.relax_rule, cfg.relax_lambda, cfg.posterior_threshold, cfg.posterior_alpha = validate_rule_fields(
         owner, cfg.relax_rule, cfg.relax_lambda, cfg.posterior_threshold, cfg.posterior_alpha
     )
-    knobs = ("relax_ratio", "relax_top_k", "relax_delta", *RULE_KNOBS)
+    cfg.relax_protect = validate_protect(owner, cfg.relax_protect)
+    knobs = ("relax_ratio", "relax_top_k", "relax_delta", *RULE_KNOBS, "relax_protect")
     given = [name for name in knobs if getattr(cfg, name) is not None]
     if given and cfg.relaxed_thinking is not True:
         raise ValueError(

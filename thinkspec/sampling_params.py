@@ -6,7 +6,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from thinkspec.config import RELAX_RULES, RULE_KNOBS, validate_relax_fields, validate_rule_fields
+from thinkspec.config import (
+    RELAX_RULES,
+    RULE_KNOBS,
+    validate_protect,
+    validate_relax_fields,
+    validate_rule_fields,
+)
 
 if TYPE_CHECKING:
     from thinkspec.config import SpeculativeConfig
@@ -38,7 +44,7 @@ DEFAULT_RELAX_TOP_K = 1
 DEFAULT_RELAX_LAMBDA = 1.0
 DEFAULT_POSTERIOR_THRESHOLD = 0.09
 DEFAULT_POSTERIOR_ALPHA = 0.3
-_RELAX_KNOBS = ("relax_ratio", "relax_top_k", "relax_delta", *RULE_KNOBS)
+_RELAX_KNOBS = ("relax_ratio", "relax_top_k", "relax_delta", *RULE_KNOBS, "relax_protect")
 
 
 def _show(value: object, limit: int = 60) -> str:
@@ -96,6 +102,8 @@ class SamplingParams:
     relax_lambda: float | None = None  # (0, 1], lenient
     posterior_threshold: float | None = None  # [0, 1], typical
     posterior_alpha: float | None = None  # >= 0, typical
+    # Drafts checked strictly: token ids, "digits", "operators", "re:<regex>" (replaces the engine's)
+    relax_protect: list[int | str] | tuple[int | str, ...] | None = None
     # At most this many tokens inside <think>; then the next token is </think>. -1 = None = no limit.
     thinking_token_budget: int | None = None
 
@@ -159,6 +167,7 @@ class SamplingParams:
         rule_knobs = (self.relax_rule, self.relax_lambda, self.posterior_threshold, self.posterior_alpha)
         rule_knobs = validate_rule_fields("SamplingParams", *rule_knobs)
         self.relax_rule, self.relax_lambda, self.posterior_threshold, self.posterior_alpha = rule_knobs
+        self.relax_protect = validate_protect("SamplingParams", self.relax_protect)
 
     @property
     def is_greedy(self) -> bool:
@@ -219,6 +228,7 @@ class RelaxSettings:
     lam: float = DEFAULT_RELAX_LAMBDA  # (0, 1], lenient
     threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # [0, 1], typical
     alpha: float = DEFAULT_POSTERIOR_ALPHA  # >= 0, typical
+    protect: tuple[int | str, ...] = ()  # relax_protect: drafts checked strictly (token ids, classes)
 
     @property
     def rule_code(self) -> int:
@@ -260,8 +270,9 @@ def resolve_relax(
         params.posterior_threshold, c.posterior_threshold if c else None, DEFAULT_POSTERIOR_THRESHOLD
     )
     alpha = _first_set(params.posterior_alpha, c.posterior_alpha if c else None, DEFAULT_POSTERIOR_ALPHA)
+    protect = params.relax_protect if params.relax_protect is not None else (c.relax_protect if c else None)
     settings = (float(ratio), int(top_k), float(delta), rule, float(lam), float(eps), float(alpha))
-    return RelaxSettings(True, *settings)
+    return RelaxSettings(True, *settings, tuple(protect or ()))
 
 
 def _first_set(*values: float | None) -> float:

@@ -350,7 +350,7 @@ class Speculator:
         enabled: torch.Tensor,  # [S] bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(relax_mask [S, k] bool, thinking_before [S, k] bool): the tracker's per-token mask, minus
-        each request's own stop token ids (protected like EOS)."""
+        each request's own stop token ids (protected like EOS) and its relax_protect tokens."""
         if self.tracker is None:
             none = torch.zeros_like(drafts, dtype=torch.bool)
             return none, none
@@ -362,6 +362,11 @@ class Speculator:
             pad = torch.tensor([x + [_NO_STOP_ID] * (width - len(x)) for x in stop_ids], dtype=torch.long)
             pad = pad.to(self.device, non_blocking=True)  # [S, W]
             relax_mask &= ~(drafts[:, :, None] == pad[:, None, :]).any(dim=2)
+        # relax_protect (token ids, classes such as digits): those drafts take the strict test too.
+        protects = [s.relax.protect if s.relax.enabled else () for s in seqs]
+        protected = self.tracker.protected_drafts(drafts, protects, self.tokenizer, self.vocab_size)
+        if protected is not None:
+            relax_mask &= ~protected
         return relax_mask, thinking_before
 
     def _outcomes(

@@ -9,9 +9,18 @@ Pads (-1) never match a marker because marker ids are non-negative.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
+# relax_protect's named classes (config.PROTECT_CLASSES validates the names; tests check they agree):
+# a token belongs when its decoded text passes the predicate.
+PROTECT_CLASSES: dict[str, Callable[[str], bool]] = {
+    "digits": lambda text: any(ch.isdigit() for ch in text),
+    "operators": lambda text: any(ch in "+-*/=<>^%" for ch in text),
+}
 
 
 def _check_token_id(name: str, value: object) -> int:
@@ -76,6 +85,55 @@ class PhaseTracker:
         ids = torch.cat([ids, torch.tensor([think_start_id, think_end_id])]).unique(sorted=True)
         self.protected_token_ids = ids  # [P] int64, sorted, CPU
         self._protected_on: dict[torch.device, torch.Tensor] = {ids.device: ids}
+        self._texts: list[str] | None = None  # each token's decoded text, for relax_protect
+        self._protect_masks: dict[tuple[tuple[int | str, ...], int, torch.device], torch.Tensor] = {}
+
+    def protect_mask(
+        self, protect: tuple[int | str, ...], tokenizer: Any | None, vocab_size: int, device: torch.device
+    ) -> torch.Tensor:  # [V] bool on device
+        """Tokens a relax_protect setting covers (ids, named classes, "re:" regexes over the token's
+        text), built once per setting and kept (token texts are decoded once per tracker). Ids at or
+        past vocab_size can never be drafted and are skipped; classes and regexes need a tokenizer."""
+        key = (protect, vocab_size, device)
+        mask = self._protect_masks.get(key)
+        if mask is not None:
+            return mask
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        ids = [i for i in protect if isinstance(i, int) and i < vocab_size]
+        mask[ids] = True
+        tests = [PROTECT_CLASSES[i] if i in PROTECT_CLASSES else re.compile(i[3:]).search
+                 for i in protect if isinstance(i, str)]  # fmt: skip
+        if tests:
+            if tokenizer is None:
+                raise ValueError("relax_protect classes and regexes need a tokenizer; this engine has none")
+            texts = self._token_texts(tokenizer, vocab_size)
+            mask |= torch.tensor([any(t(text) for t in tests) for text in texts], dtype=torch.bool)
+        self._protect_masks[key] = mask = mask.to(device)
+        return mask
+
+    def _token_texts(self, tokenizer: Any, vocab_size: int) -> list[str]:
+        """[V] each token id's decoded text ("" past the tokenizer's vocabulary)."""
+        if self._texts is None or len(self._texts) != vocab_size:
+            size = min(vocab_size, len(tokenizer))
+            texts = list(tokenizer.batch_decode([[i] for i in range(size)]))
+            self._texts = texts + [""] * (vocab_size - size)
+        return self._texts
+
+    def protected_drafts(
+        self,
+        draft_token_ids: torch.Tensor,  # [B, K] int64, pads (-1) allowed
+        protects: list[tuple[int | str, ...]],  # [B] each request's relax_protect
+        tokenizer: Any | None,
+        vocab_size: int,
+    ) -> torch.Tensor | None:  # [B, K] bool, or None when no request protects anything
+        """Drafts each request's relax_protect covers: they take the strict test."""
+        out = None
+        d = draft_token_ids.clamp(0, vocab_size - 1)
+        for spec in {p for p in protects if p}:
+            rows = torch.tensor([p == spec for p in protects], dtype=torch.bool).to(d.device)
+            hit = self.protect_mask(spec, tokenizer, vocab_size, d.device)[d] & rows[:, None]
+            out = hit if out is None else out | hit
+        return out
 
     def protected_on(self, device: torch.device) -> torch.Tensor:  # [P] int64
         ids = self._protected_on.get(device)
