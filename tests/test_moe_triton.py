@@ -170,6 +170,48 @@ def test_interp_block_fused_path_equals_torch_path_with_zero_padding_rows():
     _check(block(x), want)
 
 
+@interp
+@pytest.mark.parametrize(("t", "real"), [(8, 5), (24, 17)])
+def test_interp_graph_padding_rows_read_no_expert_and_the_counter_counts_experts_read(t, real):
+    # a CUDA graph's bucket: rows from `real` on are padding (query_start_loc[-1] = real)
+    x, w13, w2, logits = _inputs(t, 8, 32, 16, torch.float32, seed=t)
+    logits[real:, 6], logits[:real, 6] = 30.0, -30.0  # only padding rows would pick expert 6
+    counter = torch.full((1,), 3, dtype=torch.int32)
+    num_valid = torch.tensor([real], dtype=torch.int32)
+    out = moe_triton.fused_moe(x, w13, w2, logits, 2, True, num_valid, counter)
+    _check(out[:real], _reference(x[:real], w13, w2, logits[:real], 2, True))
+    assert (out[real:] == 0).all()
+    _, ids = route(logits[:real], 2, True)
+    assert 6 not in ids and int(counter) == 3 + ids.unique().numel()
+    moe_triton.fused_moe(x, w13, w2, logits, 2, True, None, counter)  # every row real: 6 is read too
+    _, ids_all = route(logits, 2, True)
+    assert 6 in ids_all and int(counter) == 3 + ids.unique().numel() + ids_all.unique().numel()
+
+
+@interp
+def test_interp_model_with_fused_experts_equals_torch_path_and_skips_padding_rows():
+    from checkpoints import PagedHarness
+    from moe_checkpoints import moe_checkpoint
+
+    from thinkspec.models import load_model
+
+    model, _ = load_model(moe_checkpoint(mlp_only_layers=(1,)))
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == 2
+    torch_count, fused_count = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for m in blocks:
+        m.expert_counter = torch_count
+    batch = [(0, [72, 105, 33]), (1, [65])]
+    want = PagedHarness(model).step(batch)
+    for m in blocks:
+        m.fused, m.expert_counter = True, fused_count
+    got = PagedHarness(model).step(batch, pad_rows=4)
+    assert got.shape == (8, want.shape[1])
+    torch.testing.assert_close(got[:4], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # the same experts read: none for the padding rows (4 real rows x top-2 leave some of the 8 unread)
+    assert 0 < int(fused_count) == int(torch_count) < 2 * 8
+
+
 # ---------------------------------------------------------------- GPU
 
 

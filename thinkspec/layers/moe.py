@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thinkspec.distributed.parallel_state import TPLayout, all_reduce
+from thinkspec.layers.forward_context import get_forward_context
 from thinkspec.layers.linear import CheckpointSlice, Linear, MergedLinear, RowParallelLinear
 from thinkspec.layers.norm import RMSNorm
 
@@ -59,6 +60,15 @@ def moe_reference(
         y = F.linear(F.silu(gate) * up, down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y)
     return out
+
+
+def _real_rows() -> torch.Tensor | None:
+    """[1] int32 on the device: the step's real rows (query_start_loc[-1]; a CUDA graph pads rows
+    after them), or None outside a forward context."""
+    try:
+        return get_forward_context().query_start_loc[-1:]
+    except RuntimeError:
+        return None
 
 
 class MoEExperts(nn.Module):
@@ -142,6 +152,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = shared
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
         self.fused = False  # True: the Triton kernels of moe_triton.py
+        # [1] int32 on the device, += the number of experts each forward reads (benchmarks), or None
+        self.expert_counter: torch.Tensor | None = None
 
     def experts_sum(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> this rank's partial sum of the routed experts [T, H]
@@ -150,8 +162,13 @@ class SparseMoeBlock(nn.Module):
         if self.fused:
             from thinkspec.layers.moe_triton import fused_moe
 
-            return fused_moe(x, w13, w2, logits, self.top_k, self.norm_topk_prob)
+            num_valid = _real_rows()
+            return fused_moe(
+                x, w13, w2, logits, self.top_k, self.norm_topk_prob, num_valid, self.expert_counter
+            )
         weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+        if self.expert_counter is not None:
+            self.expert_counter += ids.unique().numel()
         return moe_reference(x, w13, w2, weights, ids)
 
     def forward(

@@ -86,27 +86,37 @@ def _align_kernel(
     ids_ptr,  # [N] int32 expert of each pair (N = T * TOP_K)
     sorted_ptr,  # [capacity] int32 out: pair ids by expert, padding rows already hold N
     block_end_ptr,  # [E] int32 out: end (exclusive) of each expert's blocks
+    valid_ptr,  # [1] int32 rows before it are real, the rest padding (HAS_VALID)
+    counter_ptr,  # [1] int32 += the number of experts with pairs (COUNT)
     num_pairs,
     num_experts,
+    TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     e = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
+    limit = num_pairs
+    if HAS_VALID:  # padding rows' pairs go to no expert
+        limit = tl.minimum(tl.load(valid_ptr) * TOP_K, num_pairs)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c in range(0, num_pairs, CHUNK):
         offs = c + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        ids = tl.load(ids_ptr + offs, mask=offs < limit, other=-1)
         counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     first_block = tl.sum(tl.where(experts < e, blocks, 0), axis=0)
     own_blocks = tl.sum(tl.where(experts == e, blocks, 0), axis=0)
     tl.store(block_end_ptr + e, first_block + own_blocks)
+    if COUNT:
+        tl.atomic_add(counter_ptr, (own_blocks > 0).to(tl.int32))
     row = first_block * BLOCK_M
     for c in range(0, num_pairs, CHUNK):
         offs = c + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        ids = tl.load(ids_ptr + offs, mask=offs < limit, other=-1)
         hit = (ids == e).to(tl.int32)
         pos = tl.cumsum(hit, axis=0) - 1
         tl.store(sorted_ptr + row + pos, offs, mask=hit > 0)
@@ -226,10 +236,16 @@ def block_rows(num_tokens: int) -> int:
 
 
 def align_by_expert(
-    ids: torch.Tensor, num_experts: int, block_m: int
+    ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    num_valid: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """ids: [T, K] int32 -> (sorted pair ids [capacity] int32 with padding rows = T * K, block_end [E]
-    int32, the grid's block count): each expert's pairs in pair order, padded to whole blocks."""
+    int32, the grid's block count): each expert's pairs in pair order, padded to whole blocks.
+    num_valid: [1] int32 on the device, rows from it on are padding and go to no expert (None: all
+    rows real); counter: [1] int32, += the number of experts given pairs (None: not counted)."""
     pairs = ids.numel()
     # every expert's last block may be partly padding; at most min(E, pairs) experts have pairs
     max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
@@ -239,16 +255,12 @@ def align_by_expert(
     block_end = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = _pow2(num_experts)
     chunk = max(16, min(_pow2(pairs), 16384 // block_e))
+    unused = block_end  # stands in for an absent pointer (its constexpr flag is off)
     _align_kernel[(num_experts,)](
-        ids.reshape(-1),
-        sorted_ids,
-        block_end,
-        pairs,
-        num_experts,
-        BLOCK_M=block_m,
-        BLOCK_E=block_e,
-        CHUNK=chunk,
-    )
+        ids.reshape(-1), sorted_ids, block_end, unused if num_valid is None else num_valid,
+        unused if counter is None else counter, pairs, num_experts, TOP_K=ids.shape[1], BLOCK_M=block_m,
+        BLOCK_E=block_e, CHUNK=chunk, HAS_VALID=num_valid is not None, COUNT=counter is not None,
+    )  # fmt: skip
     return sorted_ids, block_end, max_blocks
 
 
@@ -259,9 +271,13 @@ def fused_moe(
     logits: torch.Tensor,
     top_k: int,
     norm_topk_prob: bool,
+    num_valid: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; logits: [T, E] router logits -> [T, H] in x's
-    dtype, what route + moe_reference compute (module docstring for the launches)."""
+    dtype, what route + moe_reference compute (module docstring for the launches). num_valid: [1] int32
+    on the device, the real rows (a CUDA graph's padding rows after them read no expert and get 0);
+    counter: [1] int32 on the device, += the number of experts this call reads (benchmarks)."""
     t, hidden = x.shape
     e, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -273,7 +289,7 @@ def fused_moe(
         return torch.zeros_like(x)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     block_m = block_rows(t)
-    sorted_ids, block_end, max_blocks = align_by_expert(ids, e, block_m)
+    sorted_ids, block_end, max_blocks = align_by_expert(ids, e, block_m, num_valid, counter)
     pairs = t * top_k
     use_dot = block_m >= 16
     dot_f32 = x.dtype == torch.float32 or _interpreting()
@@ -287,7 +303,8 @@ def fused_moe(
         x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, h.stride(0),
         sorted_ids, block_end, weights, pairs, e, inter, hidden, GATE_UP=True, **common,
     )  # fmt: skip
-    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    # padding rows' pairs are in no block: their rows of y stay 0
+    y = (torch.empty if num_valid is None else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
     _expert_gemm_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         h, h.stride(0), down, down.stride(0), down.stride(1), y, y.stride(0),
         sorted_ids, block_end, weights, pairs, e, hidden, inter, GATE_UP=False, **common,
