@@ -20,7 +20,7 @@ from distributions import (
     typical_set,
 )
 
-from thinkspec.sampling.rejection import AcceptanceBatch, rejection_sample_reference
+from thinkspec.sampling.rejection import AcceptanceBatch, implied_tv, rejection_sample_reference
 from thinkspec.sampling.rejection_common import RULE_LENIENT, RULE_TOPK_RATIO, RULE_TYPICAL
 
 NAN = float("nan")
@@ -176,3 +176,41 @@ def test_rule_fields_come_together():
     batch = _batch(logits, torch.tensor([0, 1]), q, lam=0.5)
     with pytest.raises(ValueError, match="must be given together"):
         AcceptanceBatch(**{**{f: getattr(batch, f) for f in batch.__slots__}, "posterior_alpha": None})
+
+
+@pytest.mark.parametrize(
+    "rule, kw, acceptance",
+    [
+        (RULE_LENIENT, dict(lam=0.5), lambda p, q: lenient_acceptance(p, q, 0.5)),
+        (RULE_TYPICAL, dict(eps=0.09, alpha=0.3), lambda p, q: typical_acceptance(p, q, 0.09, 0.3)),
+        (RULE_TOPK_RATIO, {}, lambda p, q: torch.where(
+            relaxed_set(*dist_setup(seed=2)[:1], TEMP, 0.15, 3, NAN), torch.ones_like(p), (p / q).clamp(max=1)
+        )),
+        (RULE_LENIENT, dict(lam=1.0), lambda p, q: (p / q).clamp(max=1)),
+    ],
+)  # fmt: skip
+def test_implied_tv_matches_the_analytic_pi(rule, kw, acceptance):
+    logits, p, q = dist_setup(seed=2)
+    batch = _batch(logits, torch.tensor([0, 1, 4]), q, rule=rule, **kw)
+    tv = implied_tv(batch)
+    assert tv.shape == (3, 1)
+    want = tv_distance(pi_from_acceptance(p, q, acceptance(p, q)), p)
+    assert torch.allclose(tv, torch.full((3, 1), want, dtype=torch.float32), atol=1e-5)
+    assert (want == 0) == (rule == RULE_LENIENT and kw["lam"] == 1.0)
+
+
+def test_implied_tv_greedy_and_padding():
+    logits, _, _ = dist_setup(seed=2)
+    drafts = torch.arange(5)  # argmax is 4
+    top = implied_tv(_batch(logits, drafts, None, temp=0.0, rule=RULE_TOPK_RATIO))
+    relaxed = relaxed_set(logits, 1.0, 0.15, 3, NAN)[:5]
+    assert top[:, 0].tolist() == [float(relaxed[i] and i != 4) for i in range(5)] and top.sum() > 0
+    assert implied_tv(_batch(logits, drafts, None, temp=0.0, rule=RULE_LENIENT, lam=0.1)).sum() == 0
+    batch = _batch(logits, drafts, None, temp=0.0, rule=RULE_TOPK_RATIO)
+    padded = AcceptanceBatch(
+        **{
+            **{f: getattr(batch, f) for f in batch.__slots__},
+            "num_draft_tokens": torch.zeros(5, dtype=torch.long),
+        }
+    )
+    assert implied_tv(padded).abs().sum() == 0

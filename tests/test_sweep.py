@@ -394,3 +394,71 @@ def test_calibration_on_a_level_the_target_gets_wrong_sometimes():
         "T=0 strict": True, "T=0 r=0.1 k=8": False, "T=0 r=0.3 k=8": True, "T=0 r=0.6 k=8": False
     }  # fmt: skip
     assert calibrate(result, 0.05, 0.0).chosen == "T=0 r=0.6 k=8"  # a 5-point budget admits the losses
+
+
+def test_rule_settings_labels_overrides_and_parsing():
+    from thinkspec.bench.sweep import _extra_settings, _typical_pairs, rule_grid
+
+    lenient, typical = RelaxSetting.lenient(0.5), RelaxSetting.typical(0.09, 0.3)
+    assert lenient.label == "lenient l=0.5" and typical.label == "typical e=0.09 a=0.3"
+    assert lenient.overrides() == {"relaxed_thinking": True, "relax_rule": "lenient", "relax_lambda": 0.5}
+    assert typical.overrides() == {
+        "relaxed_thinking": True,
+        "relax_rule": "typical",
+        "posterior_threshold": 0.09,
+        "posterior_alpha": 0.3,
+    }
+    assert _extra_settings("lenient:0.5, typical:0.09:0.3, 0.3:3") == [
+        lenient,
+        typical,
+        RelaxSetting(0.3, 3, None),
+    ]
+    assert rule_grid([0.5], _typical_pairs("0.09:0.3")) == [lenient, typical]
+    with pytest.raises(ValueError, match="relax_lambda must be a float in"):
+        RelaxSetting.lenient(0.0)
+    with pytest.raises(ValueError, match="posterior_alpha must be a finite float"):
+        RelaxSetting.typical(0.1, -1.0)
+    with pytest.raises(ValueError, match="lenient:lambda and typical:threshold:alpha"):
+        _extra_settings("typical:0.1")
+    with pytest.raises(ValueError, match="threshold:alpha items"):
+        _typical_pairs("0.1")
+
+
+def test_calibration_chooses_among_all_rules():
+    result = synthetic_sweep()
+    n = result.cells[0].n
+    lenient = _cell("T=0 lenient l=0.5", "relaxed", [True] * n, 1800.0, 3.9)
+    lenient.setting = {"mode": "relaxed", "temperature": 0.0, "relax_rule": "lenient", "relax_lambda": 0.5}
+    typical = _cell("T=0 typical e=0.09 a=0.3", "relaxed", [i >= 60 for i in range(n)], 2000.0, 4.0)
+    typical.setting = {"mode": "relaxed", "temperature": 0.0, "relax_rule": "typical"}
+    typical.setting.update(posterior_threshold=0.09, posterior_alpha=0.3)
+    result.cells += [lenient, typical]
+    result.compare_all(num_resamples=2000)
+    cal = calibrate(result, 0.02, 0.0)
+    assert cal.chosen == "T=0 lenient l=0.5"  # the typical cell is faster but outside the budget
+    spec = cal.speculative_config
+    assert spec["relax_rule"] == "lenient" and spec["relax_lambda"] == 0.5 and spec["relaxed_thinking"]
+    assert "relax_ratio" not in spec
+    SpeculativeConfig.from_dict(spec)
+    assert calibrate(result, 0.2, 0.0).chosen == "T=0 typical e=0.09 a=0.3"
+    assert calibrate(result, 0.2, 0.0).speculative_config["posterior_alpha"] == 0.3
+
+
+def test_sweep_of_the_rules_measures_their_distortion(tmp_path):
+    """Lenient and typical cells at T = 0.6 beside strict on the toy pair; each speculative cell
+    records implied_tv, 0 for strict (lossless) and above 0 for a lenient lambda of 0.3."""
+    out = tmp_path / "rules"
+    argv = ["sweep", "--device", "cpu", "--num-prompts", "2", "--max-tokens", "12", "--relax-ratios", "",
+            "--relax-top-ks", "", "--relax-lambdas", "0.3", "--typical-settings", "0.09:0.3",
+            "--temperatures", "0.6", "--repeats", "1", "--skip-no-spec", "--no-plot", "--no-progress",
+            "--output-dir", str(out), "--accuracy-budget", "1"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "sweep.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["T=0.6 strict", "T=0.6 lenient l=0.3", "T=0.6 typical e=0.09 a=0.3"]
+    assert rows["T=0.6 strict"]["implied_tv"] < 1e-6
+    assert rows["T=0.6 lenient l=0.3"]["implied_tv"] > 1e-4
+    assert rows["T=0.6 typical e=0.09 a=0.3"]["implied_tv"] >= 0
+    assert rows["T=0.6 lenient l=0.3"]["relax_rule"] == "lenient"
+    assert data["calibrations"][0]["chosen"] in rows
+    assert "| TV |" in (out / "report.md").read_text()

@@ -23,6 +23,7 @@ TABLE_COLUMNS = (
     ("thinking_acceptance_length", "AL think", "{:.2f}"),
     ("answer_acceptance_length", "AL ans", "{:.2f}"),
     ("relaxed_share", "relaxed", "{:.3f}"),
+    ("implied_tv", "TV", "{:.4f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
     ("latency_mean_s", "lat s", "{:.2f}"),
     ("mean_output_tokens", "len", "{:.1f}"),
@@ -98,7 +99,7 @@ def plot_pareto(result: SweepResult, path: str | Path) -> None:
         ("tokens_per_s", "tokens_per_s", "tokens/s"),
     )
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    markers = {"no_spec": "s", "strict": "D", "relaxed": "o"}
+    markers = {"no_spec": "s", "strict": "D", "relaxed": "o", "lenient": "^", "typical": "v"}
     for ax, (key, metric, label) in zip(axes, panels):
         for ti, t in enumerate(result.temperatures):
             color = f"C{ti}"
@@ -108,7 +109,7 @@ def plot_pareto(result: SweepResult, path: str | Path) -> None:
                     r["accuracy"],
                     r[key],
                     color=color,
-                    marker=markers.get(r["mode"], "o"),
+                    marker=markers.get(r.get("relax_rule") or r["mode"], "o"),
                     edgecolors="black" if r[f"frontier_{metric}"] else "none",
                     s=50,
                     zorder=3,
@@ -131,7 +132,8 @@ def plot_pareto(result: SweepResult, path: str | Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(
         f"relaxation sweep, {result.config.get('num_prompts')} prompts per cell "
-        "(square: no speculation, diamond: strict, outlined: on the frontier)",
+        "(square: no speculation, diamond: strict, circle: top-k/ratio, triangle up: lenient, "
+        "down: typical; outlined: on the frontier)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -174,7 +176,9 @@ def markdown_report(result: SweepResult, calibrations: list[Calibration], plot_n
         "Accuracy CI: Wilson 95%. `d strict`: accuracy minus strict's on the same prompts, with its "
         "paired bootstrap 95% CI (`d lo`, `d hi`) and the exact McNemar p-value. AL: mean acceptance "
         "length (accepted drafts per verify step + 1), overall / thinking / answer; relaxed: share of "
-        "accepted drafts accepted only by the relaxation.",
+        "accepted drafts accepted only by the relaxation; TV: the total-variation distance from the "
+        "target's p of the distribution each verified draft position emits under the cell's rule, "
+        "averaged over the verified positions (0 for lossless acceptance; docs/ACCEPTANCE.md).",
         "",
     ]
     rows = result.rows()

@@ -1,4 +1,5 @@
-"""The relaxation sweep: relax_ratio x relax_top_k (x relax_delta) against two baselines.
+"""The relaxation sweep: relax_ratio x relax_top_k (x relax_delta), lenient lambdas and typical
+(posterior_threshold, posterior_alpha) settings against two baselines.
 
 Every cell answers the same items with the same per-item seeds. One speculative LLM (strict
 config) serves the strict cell and, through the per-request overrides in SamplingParams, every
@@ -17,18 +18,23 @@ from thinkspec.bench.bench import format_prompts, run_cell, run_round_robin, sam
 from thinkspec.bench.datasets import BenchItem
 from thinkspec.bench.results import SPEED_METRICS, Calibration, CellResult, SweepResult, cell_name
 from thinkspec.bench.warmth import capture_graphs
-from thinkspec.config import SpeculativeConfig, validate_relax_fields
+from thinkspec.config import RELAX_RULES, SpeculativeConfig, validate_relax_fields, validate_rule_fields
 from thinkspec.llm import LLM
 from thinkspec.model_names import toy_name
 
 
 @dataclass(slots=True, frozen=True)
 class RelaxSetting:
-    """One relaxed cell of the grid."""
+    """One relaxed cell of the grid: a topk_ratio setting (ratio, top-k, delta), or a lenient
+    (relax_lambda) or typical (posterior_threshold, posterior_alpha) one (`lenient`, `typical`)."""
 
     relax_ratio: float
     relax_top_k: int
     relax_delta: float | None = None
+    relax_rule: str = RELAX_RULES[0]
+    relax_lambda: float | None = None
+    posterior_threshold: float | None = None
+    posterior_alpha: float | None = None
 
     def __post_init__(self) -> None:
         validate_relax_fields(
@@ -37,14 +43,39 @@ class RelaxSetting:
             relax_delta=self.relax_delta,
             owner="RelaxSetting",
         )
+        validate_rule_fields(
+            "RelaxSetting", self.relax_rule, self.relax_lambda, self.posterior_threshold, self.posterior_alpha
+        )
+
+    @classmethod
+    def lenient(cls, relax_lambda: float) -> RelaxSetting:
+        return cls(1.0, 1, relax_rule="lenient", relax_lambda=relax_lambda)
+
+    @classmethod
+    def typical(cls, posterior_threshold: float, posterior_alpha: float) -> RelaxSetting:
+        return cls(1.0, 1, None, "typical", None, posterior_threshold, posterior_alpha)
 
     @property
     def label(self) -> str:
+        if self.relax_rule == "lenient":
+            return f"lenient l={self.relax_lambda:g}"
+        if self.relax_rule == "typical":
+            return f"typical e={self.posterior_threshold:g} a={self.posterior_alpha:g}"
         s = f"r={self.relax_ratio:g} k={self.relax_top_k}"
         return s if self.relax_delta is None else f"{s} d={self.relax_delta:g}"
 
     def overrides(self) -> dict[str, Any]:
-        """SamplingParams fields that turn a request of the strict engine into this setting."""
+        """SamplingParams fields that turn a request of the strict engine into this setting (a
+        topk_ratio setting names no rule, as before the rules existed)."""
+        if self.relax_rule == "lenient":
+            return {"relaxed_thinking": True, "relax_rule": "lenient", "relax_lambda": self.relax_lambda}
+        if self.relax_rule == "typical":
+            return {
+                "relaxed_thinking": True,
+                "relax_rule": "typical",
+                "posterior_threshold": self.posterior_threshold,
+                "posterior_alpha": self.posterior_alpha,
+            }
         return {
             "relaxed_thinking": True,
             "relax_ratio": self.relax_ratio,
@@ -139,9 +170,10 @@ def run_sweep(
 def _strict_config(speculative_config: dict[str, Any]) -> dict[str, Any]:
     """The speculative config with relaxation off; ValueError before any model loads."""
     strict_cfg = {**speculative_config, "relaxed_thinking": False}
-    strict_cfg.pop("relax_ratio", None)
-    strict_cfg.pop("relax_top_k", None)
-    strict_cfg.pop("relax_delta", None)
+    for knob in ("relax_ratio", "relax_top_k", "relax_delta", "relax_rule", "relax_lambda"):
+        strict_cfg.pop(knob, None)
+    strict_cfg.pop("posterior_threshold", None)
+    strict_cfg.pop("posterior_alpha", None)
     SpeculativeConfig.from_dict(strict_cfg)
     return strict_cfg
 
@@ -250,7 +282,9 @@ def _run_planned_cell(
     seed: int,
     use_tqdm: bool,
 ) -> CellResult:
-    """One cell; a relaxed one runs on the strict engine through per-request overrides."""
+    """One cell; a relaxed one runs on the strict engine through per-request overrides. A
+    speculative cell also records implied_tv: the mean, over its verified draft positions, of the
+    TV distance from p of what each position emits (sampling.rejection.implied_tv)."""
     mode, t, setting, batch = planned
     row_setting: dict[str, Any] = {"mode": mode, "temperature": t, "max_in_flight": batch}
     row_setting.update(
@@ -261,7 +295,20 @@ def _run_planned_cell(
     row_setting.pop("relaxed_thinking", None)
     overrides = {} if setting is None else setting.overrides()
     name = _planned_name(planned)
-    return run_cell(llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, batch, **overrides)
+    speculator = getattr(llm.llm_engine, "speculator", None)
+    probe: list[tuple[Any, Any]] = []
+    if speculator is not None:
+        speculator.tv_probe = probe
+    try:
+        args = (llm, items, name, row_setting, t, max_tokens, seed, prompts, use_tqdm, batch)
+        cell = run_cell(*args, **overrides)
+    finally:
+        if speculator is not None:
+            speculator.tv_probe = None
+    if probe:
+        total, count = (sum(float(x[i]) for x in probe) for i in (0, 1))
+        cell.extra["implied_tv"] = total / max(count, 1.0)
+    return cell
 
 
 def calibrate(
@@ -308,12 +355,9 @@ def calibrate(
     cell: CellResult = best["_cell"]
     spec = dict(result.config["speculative_config"])
     if cell.setting["mode"] == "relaxed":
-        spec.update(
-            relaxed_thinking=True,
-            relax_ratio=cell.setting["relax_ratio"],
-            relax_top_k=cell.setting["relax_top_k"],
-            relax_delta=cell.setting["relax_delta"],
-        )
+        knobs = ("relax_ratio", "relax_top_k", "relax_delta", "relax_rule", "relax_lambda")
+        knobs += ("posterior_threshold", "posterior_alpha")
+        spec.update(relaxed_thinking=True, **{k: cell.setting[k] for k in knobs if k in cell.setting})
     spec = SpeculativeConfig.from_dict(spec).to_dict()
     spec = {k: v for k, v in spec.items() if v is not None}
     for x in candidates:
@@ -335,10 +379,14 @@ def _calibration_batch(result: SweepResult) -> int | None:
 
 
 def _extra_settings(text: str) -> list[RelaxSetting]:
-    """--extra-settings "0.1:8:0.2,0.3:3" -> cells beside the grid, each ratio:top_k[:delta]."""
+    """--extra-settings "0.1:8:0.2,0.3:3,lenient:0.5,typical:0.09:0.3" -> cells beside the grid,
+    each ratio:top_k[:delta], lenient:lambda or typical:posterior_threshold:posterior_alpha."""
     out = []
     for spec in (x.strip() for x in text.split(",") if x.strip()):
         parts = spec.split(":")
+        if parts[0] in ("lenient", "typical"):
+            out.append(_rule_setting(parts, spec))
+            continue
         try:
             if len(parts) not in (2, 3):
                 raise ValueError
@@ -347,6 +395,35 @@ def _extra_settings(text: str) -> list[RelaxSetting]:
         except ValueError:
             raise ValueError(f"--extra-settings takes ratio:top_k[:delta] items, got {spec!r}") from None
         out.append(RelaxSetting(ratio, top_k, delta))
+    return out
+
+
+def _rule_setting(parts: list[str], spec: str) -> RelaxSetting:
+    """lenient:lambda or typical:posterior_threshold:posterior_alpha as a setting."""
+    try:
+        values = [float(x) for x in parts[1:]]
+        if len(values) != (1 if parts[0] == "lenient" else 2):
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"--extra-settings takes lenient:lambda and typical:threshold:alpha items, got {spec!r}"
+        ) from None
+    return RelaxSetting.lenient(*values) if parts[0] == "lenient" else RelaxSetting.typical(*values)
+
+
+def rule_grid(relax_lambdas: Sequence[float], typical: Sequence[tuple[float, float]]) -> list[RelaxSetting]:
+    """Lenient cells, one per lambda, then typical cells, one per (threshold, alpha)."""
+    return [RelaxSetting.lenient(lam) for lam in relax_lambdas] + [RelaxSetting.typical(*x) for x in typical]
+
+
+def _typical_pairs(text: str) -> list[tuple[float, float]]:
+    """--typical-settings "0.09:0.3,0.2:0.5" -> [(0.09, 0.3), (0.2, 0.5)]."""
+    out = []
+    for spec in (x.strip() for x in text.split(",") if x.strip()):
+        values = _floats(spec.replace(":", ","), "--typical-settings")
+        if len(values) != 2:
+            raise ValueError(f"--typical-settings takes threshold:alpha items, got {spec!r}")
+        out.append((values[0], values[1]))
     return out
 
 
@@ -448,11 +525,18 @@ def _sweep_inputs(
     from thinkspec.engine_args import engine_kwargs
     from thinkspec.model_names import DEFAULT_TOY, resolve_model_name
 
-    settings = make_grid(
-        _floats(args.relax_ratios, "--relax-ratios"),
-        _ints(args.relax_top_ks, "--relax-top-ks"),
-        _floats(args.relax_deltas, "--relax-deltas") or [None],
-    ) + _extra_settings(getattr(args, "extra_settings", ""))
+    ratios, top_ks = _floats(args.relax_ratios, "--relax-ratios"), _ints(args.relax_top_ks, "--relax-top-ks")
+    # Both empty: no ratio x top-k grid (a sweep of the other rules alone).
+    settings = (
+        make_grid(ratios, top_ks, _floats(args.relax_deltas, "--relax-deltas") or [None])
+        if ratios or top_ks
+        else []
+    )
+    settings += _extra_settings(getattr(args, "extra_settings", ""))
+    settings += rule_grid(
+        _floats(getattr(args, "relax_lambdas", ""), "--relax-lambdas"),
+        _typical_pairs(getattr(args, "typical_settings", "")),
+    )
     temperatures = _floats(args.temperatures, "--temperatures")
     if not temperatures:
         raise ValueError("--temperatures needs at least one value")

@@ -37,7 +37,7 @@ from thinkspec.engine.verify_rows import VerifyRows
 from thinkspec.reasoning.parsers import ResolvedReasoning
 from thinkspec.reasoning.tracker import force_token
 from thinkspec.sampling.logprobs import LogprobsTensors
-from thinkspec.sampling.rejection import AcceptanceBatch, RejectionResult, rejection_sample
+from thinkspec.sampling.rejection import AcceptanceBatch, RejectionResult, implied_tv, rejection_sample
 from thinkspec.sampling.sampler import Sampler, SamplingTensors, mix_seed, process_logits
 from thinkspec.spec_decode.draft_model import DraftModelProposer
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
@@ -338,6 +338,9 @@ class Speculator:
             draft_probs=proposal.draft_probs, seeds=seeds, all_greedy=all_greedy, **rules,
         )  # fmt: skip
         result = rejection_sample(batch, self.generator)
+        probe = getattr(self, "tv_probe", None)  # set by the sweep: the distortion each step implies
+        if probe is not None:
+            probe.append((implied_tv(batch).sum(), num_drafts.sum()))
         lp = extras.logprobs(raw, result.output_token_ids) if extras is not None else None
         return result, thinking_before, extras, lp
 

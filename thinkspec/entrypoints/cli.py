@@ -261,7 +261,15 @@ def _add_sweep_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sweep.add_argument(
         "--extra-settings", default="",
         help="cells beside the ratio x top-k x delta grid: comma-separated ratio:top_k[:delta] "
-        "(e.g. 0.1:8:0.2)",
+        "(e.g. 0.1:8:0.2), lenient:lambda or typical:threshold:alpha",
+    )  # fmt: skip
+    sweep.add_argument(
+        "--relax-lambdas", default="",
+        help="lenient cells (relax_rule lenient), comma-separated lambdas in (0, 1], e.g. 0.9,0.7,0.5",
+    )  # fmt: skip
+    sweep.add_argument(
+        "--typical-settings", default="",
+        help="typical cells, comma-separated posterior_threshold:posterior_alpha pairs, e.g. 0.09:0.3",
     )  # fmt: skip
     sweep.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
     sweep.add_argument("--output-dir", default="sweep-out", help="where the results and report go")

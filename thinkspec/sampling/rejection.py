@@ -47,6 +47,7 @@ from thinkspec.sampling.sampler import exponential_race, mix_seed
 __all__ = [
     "AcceptanceBatch",
     "RejectionResult",
+    "implied_tv",
     "rejection_sample",
     "rejection_sample_reference",
     "relaxed_test",
@@ -227,3 +228,59 @@ def _sample_emitted(
     # p == q up to rounding leaves no residual mass; p is then the exact answer.
     r = torch.where(r.sum(-1, keepdim=True) > 0, r, pj)
     return exponential_race(r.log(), e)
+
+
+def implied_tv(batch: AcceptanceBatch) -> torch.Tensor:
+    """[B, K] float32: TV(pi, p) at each used draft position (0 at padding), where pi is the
+    distribution the position emits given its draft distribution q and the row's rule
+    (docs/ACCEPTANCE.md: TV = sum_v max(0, q(v) a(v) - p(v)), a = the acceptance probability).
+    Greedy rows take p = one_hot(g) and q = one_hot(d): 1 where a draft d != g passes the relaxed
+    test. Builds [B, K, V] tensors: a measurement for the sweep, not a step of the engine."""
+    b, k, v = batch.dims
+    greedy = (batch.temperature == 0)[:, None, None]  # [B, 1, 1]
+    temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature).float()
+    x = batch.target_logits[:, :k].float() / temp[:, None, None]  # [B, K, V]
+    p_soft = torch.softmax(x, -1)
+    d = batch.draft_token_ids.long().clamp(0, v - 1)  # [B, K]
+    one_d = torch.zeros_like(x).scatter_(-1, d[..., None], 1.0)
+    p = torch.where(greedy, torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0), p_soft)
+    q = one_d if batch.draft_probs is None else torch.where(greedy, one_d, batch.draft_probs.float())
+    ratio_of = torch.where(q > 0, p / q.clamp_min(1e-30), torch.ones_like(p))  # p / q, 1 where q = 0
+    a = _acceptance_all(batch, x, p_soft, ratio_of, greedy)  # [B, K, V]
+    tv = (q * a - p).clamp_min(0).sum(-1)  # [B, K]
+    used = torch.arange(k, device=x.device)[None, :] < batch.num_draft_tokens.long()[:, None]
+    return torch.where(used, tv, torch.zeros_like(tv))
+
+
+def _acceptance_all(
+    batch: AcceptanceBatch,
+    x: torch.Tensor,  # [B, K, V] float32 scaled logits
+    p_soft: torch.Tensor,  # [B, K, V] float32 softmax(x)
+    ratio_of: torch.Tensor,  # [B, K, V] float32 p / q (1 where q = 0), p one-hot on greedy rows
+    greedy: torch.Tensor,  # [B, 1, 1] bool
+) -> torch.Tensor:  # [B, K, V] float32: probability that each token, drafted here, is accepted
+    """Each row's acceptance probability for every token as the draft: the lossless min(1, p / q),
+    raised to 1 inside the relaxed set (topk_ratio) or the typical set, or min(1, p / (lambda q))."""
+    lossless = ratio_of.clamp(max=1.0)
+    top_k = batch.relax_top_k.long().clamp(1, x.shape[-1])  # [B]
+    kth = x.topk(int(top_k.max()), -1).values.gather(-1, (top_k - 1)[:, None, None].expand(*x.shape[:2], 1))
+    pmax = p_soft.amax(-1, keepdim=True)
+    delta = batch.relax_delta.float()[:, None, None]
+    in_r = (x > float("-inf")) & (x >= kth) & (p_soft >= batch.relax_ratio.float()[:, None, None] * pmax)
+    in_r &= delta.isnan() | (pmax - p_soft <= delta)
+    relax = batch.relax_mask[..., None]  # [B, K, 1]
+    a = torch.where(relax & in_r, torch.ones_like(lossless), lossless)
+    if batch.relax_rule is None:
+        return a
+    assert batch.relax_lambda is not None and batch.posterior_threshold is not None
+    assert batch.posterior_alpha is not None
+    rule = batch.relax_rule.long()[:, None, None]
+    lam = batch.relax_lambda.float()[:, None, None]
+    lenient = (ratio_of / lam).clamp(max=1.0)
+    entropy = torch.special.entr(p_soft).sum(-1, keepdim=True)
+    alpha = batch.posterior_alpha.float()[:, None, None]
+    tau = torch.minimum(batch.posterior_threshold.float()[:, None, None], alpha * torch.exp(-entropy))
+    typical = torch.where(p_soft > tau, torch.ones_like(lossless), lossless)
+    ruled = torch.where(rule == RULE_LENIENT, lenient, typical)
+    ruled = torch.where(relax & ~greedy, ruled, lossless)  # the new rules never relax a greedy row
+    return torch.where(rule == RULE_TOPK_RATIO, a, ruled)
