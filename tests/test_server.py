@@ -590,3 +590,54 @@ def test_thinking_token_budget_through_extra_body(client):
     assert cut.reasoning_content.startswith(first20) and cut.content is None
     more = ask(20, 40)
     assert more.reasoning_content == cut.reasoning_content and more.content  # then the answer
+
+
+def test_large_bodies_are_tokenized_off_the_event_loop(server):
+    """Large chat and /tokenize bodies (each about 0.9 MB, a second or so of tokenizing) arrive while
+    streams run: no stream waits 0.5 s between two events, nor /health 0.5 s for its answer."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    big = "What is 12 + 7? " * 55_000  # under the default 1 MiB body limit
+
+    async def streams(stop: asyncio.Event) -> list[float]:
+        gaps: list[float] = []
+        body = {"model": MODEL, "prompt": "q30", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=60) as http:
+            while not stop.is_set():
+                last = None
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            now = time.monotonic()
+                            if last is not None:
+                                gaps.append(now - last)
+                            last = now
+        return gaps
+
+    async def health(stop: asyncio.Event) -> list[float]:
+        waits: list[float] = []
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            while not stop.is_set():
+                start = time.monotonic()
+                assert (await http.get("/health")).status_code == 200
+                waits.append(time.monotonic() - start)
+                await asyncio.sleep(0.05)
+        return waits
+
+    async def main() -> tuple[list[float], list[float], list[int]]:
+        stop = asyncio.Event()
+        watchers = asyncio.gather(streams(stop), health(stop))
+        await asyncio.sleep(0.3)  # the first stream is running
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120) as http:
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": big}], "max_tokens": 2}
+            sent = [http.post("/v1/chat/completions", json=chat) for _ in range(4)]
+            sent.append(http.post("/tokenize", json={"prompt": big}))
+            answers = await asyncio.gather(*sent)
+        stop.set()
+        gaps, waits = await watchers
+        return gaps, waits, [a.status_code for a in answers]
+
+    gaps, waits, statuses = asyncio.run(main())
+    assert statuses == [400] * 4 + [200]  # the chat prompts are too long for the model, once tokenized
+    assert len(gaps) > 20 and len(waits) > 5
+    assert max(gaps) < 0.5, sorted(gaps)[-5:]
+    assert max(waits) < 0.5, sorted(waits)[-5:]

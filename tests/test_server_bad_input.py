@@ -88,6 +88,138 @@ CASES = [
         "messages.0.content",
         "string_type",
     ),
+    (
+        "tools",
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        AUTH,
+        400,
+        "tools",
+        "unsupported",
+    ),
+    ("tool_choice", "POST", CHAT, chat(tool_choice="required"), AUTH, 400, "tool_choice", "unsupported"),
+    (
+        "response_format json",
+        "POST",
+        CHAT,
+        chat(response_format={"type": "json_object"}),
+        AUTH,
+        400,
+        "response_format",
+        "unsupported",
+    ),
+    ("guided_regex", "POST", COMP, comp(guided_regex="a+"), AUTH, 400, "guided_regex", "unsupported"),
+    (
+        "logit_bias key not an id",
+        "POST",
+        CHAT,
+        chat(logit_bias={"x": 1}),
+        AUTH,
+        400,
+        "logit_bias",
+        "invalid_value",
+    ),
+    (
+        "logit_bias over 100",
+        "POST",
+        COMP,
+        comp(logit_bias={"5": 100.5}),
+        AUTH,
+        400,
+        "logit_bias",
+        "invalid_value",
+    ),
+    (
+        "logit_bias id outside the vocabulary",
+        "POST",
+        COMP,
+        comp(logit_bias={"100000": 1}),
+        AUTH,
+        400,
+        "logit_bias",
+        "invalid_value",
+    ),
+    (
+        "logit_bias value a string",
+        "POST",
+        CHAT,
+        chat(logit_bias={"5": "1"}),
+        AUTH,
+        400,
+        "logit_bias",
+        "float_type",
+    ),
+    (
+        "enable_thinking 0",
+        "POST",
+        CHAT,
+        chat(chat_template_kwargs={"enable_thinking": 0}),
+        AUTH,
+        400,
+        "chat_template_kwargs.enable_thinking",
+        "invalid_value",
+    ),
+    (
+        "enable_thinking empty string",
+        "POST",
+        CHAT,
+        chat(chat_template_kwargs={"enable_thinking": ""}),
+        AUTH,
+        400,
+        "chat_template_kwargs.enable_thinking",
+        "invalid_value",
+    ),
+    (
+        "enable_thinking []",
+        "POST",
+        CHAT,
+        chat(chat_template_kwargs={"enable_thinking": []}),
+        AUTH,
+        400,
+        "chat_template_kwargs.enable_thinking",
+        "invalid_value",
+    ),
+    (
+        "repetition_penalty 5e-324",
+        "POST",
+        CHAT,
+        chat(repetition_penalty=5e-324),
+        AUTH,
+        400,
+        "repetition_penalty",
+        "invalid_value",
+    ),
+    (
+        "repetition_penalty over 100",
+        "POST",
+        COMP,
+        comp(repetition_penalty=101.0),
+        AUTH,
+        400,
+        "repetition_penalty",
+        "invalid_value",
+    ),
+    (
+        "prompt + max_tokens over max_model_len",
+        "POST",
+        COMP,
+        comp(prompt="x" * 80, max_tokens=20),
+        AUTH,
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "messages + max_completion_tokens over max_model_len",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x" * 60}], max_completion_tokens=30),
+        AUTH,
+        400,
+        "max_completion_tokens",
+        "context_length_exceeded",
+    ),
     ("temperature a string", "POST", CHAT, chat(temperature="0.5"), AUTH, 400, "temperature", "float_type"),
     ("temperature above 2", "POST", CHAT, chat(temperature=2.5), AUTH, 400, "temperature", "invalid_value"),
     ("temperature negative", "POST", COMP, comp(temperature=-0.1), AUTH, 400, "temperature", "invalid_value"),
@@ -411,6 +543,28 @@ def test_prompt_too_long_message_names_length_and_limit(client):
     assert str(len(LONG_PROMPT)) in message and str(MAX_MODEL_LEN) in message
 
 
+def test_context_length_message_names_both_numbers(client):
+    r = client.post(COMP, json=comp(prompt="x" * 80, max_tokens=20), headers=AUTH)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "80 tokens" in message and f"{MAX_MODEL_LEN} tokens" in message and "20 more" in message
+    # left out, max_tokens fills what remains (as vLLM), and one that fits is accepted
+    for body in (comp(prompt="x" * 80, max_tokens=None), comp(prompt="x" * 80, max_tokens=16)):
+        r = client.post(COMP, json=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 80
+        assert 0 < r.json()["usage"]["completion_tokens"] <= 16
+
+
+def test_served_or_empty_values_of_unsupported_fields_are_accepted(client):
+    body = chat(response_format={"type": "text"}, tools=[], tool_choice="none", logit_bias={"5": -100})
+    r = client.post(CHAT, json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    r = client.post(CHAT, json=chat(chat_template_kwargs={"enable_thinking": False}), headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
 def test_streamed_body_over_limit_without_content_length(client):
     def chunks():
         yield b'{"prompt": "'
@@ -463,3 +617,41 @@ def test_logprob_limits_accept_their_boundaries_as_vllm(client):
     lp = client.post(CHAT, json=chat(logprobs=True, top_logprobs=20, max_tokens=1), headers=AUTH).json()
     assert len(lp["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
     assert client.post(CHAT, json=chat(top_logprobs=0), headers=AUTH).json()["choices"][0]["logprobs"] is None
+
+
+def test_client_gone_mid_body_logs_one_line(client, caplog):
+    """A Content-Length larger than what arrives before the disconnect: one log line, no traceback,
+    and nothing raised out of the app (uvicorn would log that as a second traceback)."""
+    import asyncio
+    import logging
+
+    body = json.dumps(comp()).encode()
+    messages = [
+        {"type": "http.request", "body": body[:10], "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body) + 100).encode()),
+        (b"authorization", AUTH["Authorization"].encode()),
+    ]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": COMP, "raw_path": COMP.encode(), "query_string": b"",
+        "root_path": "", "headers": headers, "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+    }  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        asyncio.run(client.app(scope, receive, send))
+    records = [r for r in caplog.records if r.name.startswith(("thinkspec", "uvicorn", "fastapi"))]
+    assert [r.exc_info for r in records] == [None]
+    assert "disconnected after 10 of" in records[0].getMessage()
+    assert sent and sent[0]["status"] == 400

@@ -102,3 +102,32 @@ def test_sigint_when_idle_exits_0_at_once():
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, log_text()
         assert time.monotonic() - start < 10
+
+
+def test_second_sigterm_ends_requests_in_flight_and_exits_at_once():
+    """A second signal while draining: what is in flight ends now with its 503 / error event (not
+    a plain-text 500), and the process exits 0 without waiting for --shutdown-timeout."""
+    with toy_server("--shutdown-timeout", "60") as (proc, url, log_text):
+
+        async def main():
+            sent: dict = {}
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                started = asyncio.Event()
+                stream = asyncio.create_task(read_stream(http, body(400, True), started, sent))
+                plain = asyncio.create_task(http.post("/v1/chat/completions", json=body(400, False)))
+                await asyncio.wait_for(started.wait(), 60)
+                proc.send_signal(signal.SIGTERM)
+                sent["at"] = time.monotonic()
+                await asyncio.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+                sent["second"] = time.monotonic()
+                return sent, await stream, await plain
+
+        sent, stream, plain = asyncio.run(main())
+        assert proc.wait(10) == 0, log_text()
+        assert time.monotonic() - sent["second"] < 5
+        assert stream["end"] - sent["second"] < 2
+        assert stream["events"][-1] == "[DONE]"
+        assert json.loads(stream["events"][-2])["error"]["code"] == "server_shutting_down"
+        assert plain.status_code == 503, plain.text
+        assert plain.json()["error"]["code"] == "server_shutting_down"

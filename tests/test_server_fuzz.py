@@ -111,6 +111,11 @@ COMMON = {
     "relax_delta": maybe(st.none() | st.floats(0, 1) | floats),
     "repetition_penalty": maybe(st.just(1.0) | floats),
     "prompt_logprobs": maybe(st.none() | ints),
+    "logit_bias": maybe(
+        st.dictionaries(
+            st.sampled_from(["0", "5", "260", "261", "99999", "-1", "x", ""]) | text, floats, max_size=3
+        )
+    ),
 }
 part = st.fixed_dictionaries({"type": maybe(st.just("text")), "text": maybe(text)})
 message = st.fixed_dictionaries(
@@ -136,7 +141,9 @@ COMP_FIELDS = {
     "best_of": maybe(st.none() | ints),
 }
 extra_fields = st.dictionaries(
-    st.sampled_from(["frobnicate", "tools", "response_format", ""]) | text, wild, max_size=2
+    st.sampled_from(["frobnicate", "tools", "tool_choice", "response_format", "guided_json", ""]) | text,
+    wild | st.sampled_from([[], "none", {"type": "text"}, {"type": "json_object"}]),
+    max_size=2,
 )
 
 
@@ -184,6 +191,7 @@ VALID = {
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2),
     "prompt_logprobs": st.none() | st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(0, 260).map(str), st.floats(-100, 100), max_size=3),
 }
 valid_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"]), "content": odd_text}

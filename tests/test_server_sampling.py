@@ -333,6 +333,40 @@ def test_repetition_penalty_greedy_equals_transformers(client, tok):
         assert pen != long, name
 
 
+def test_logit_bias_greedy_equals_transformers_under_speculation(client, tok):
+    """The bias applies to the target's verify rows too: strict speculation with it gives exactly
+    transformers' greedy output with the same additive bias (its sequence_bias on single tokens)."""
+    prompt = prompt_ids(tok)
+    model = _hf_model(TARGET, torch.float32, "cpu")
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    plain = client.completions.create(prompt=prompt, max_tokens=40, logprobs=0, **GREEDY).choices[0]
+    plain_ids = token_ids(tok, plain.logprobs.tokens)
+    assert len(plain_ids) > 8
+    # ban a token of the plain output, and push another one up a little
+    bias = {plain_ids[6]: -100.0, plain_ids[2]: 1.5}
+    with torch.no_grad():
+        hf = model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+            sequence_bias={(t,): b for t, b in bias.items()},
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    hf = hf[: hf.index(eos) + 1] if eos in hf else hf
+    got = client.completions.create(
+        prompt=prompt,
+        max_tokens=40,
+        logprobs=0,
+        logit_bias={str(t): b for t, b in bias.items()},  # type: ignore[misc]
+        **GREEDY,
+        extra_body={"relaxed_thinking": False},
+    ).choices[0]
+    ids = token_ids(tok, got.logprobs.tokens)
+    assert len(ids) == len(hf) > 0
+    assert ids == hf
+    assert plain_ids[6] not in ids and ids != plain_ids  # the bias changed the output
+    with pytest.raises(openai.BadRequestError) as e:  # an id outside the vocabulary
+        client.completions.create(prompt=prompt, max_tokens=2, logit_bias={str(len(tok) + 5): 1}, **GREEDY)
+    assert e.value.body["param"] == "logit_bias"
+
+
 # ---- response shapes (no server) ----------------------------------------------------------------
 
 

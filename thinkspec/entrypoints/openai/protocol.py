@@ -107,6 +107,7 @@ class _CommonRequest(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key) -> bias in [-100, 100]
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -234,8 +235,47 @@ def sampling_error(e: ValueError) -> OpenAIError:
     return OpenAIError(text, param=param, code="invalid_value")
 
 
+# Fields that change what a response must hold, which the server does not serve: refused (400
+# `unsupported`) rather than ignored. Each maps to the value that asks for nothing (also accepted).
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "logits_processors": [],
+    "suffix": "",
+}
+
+
+def logit_bias_ids(req: _CommonRequest) -> dict[int, float] | None:
+    """logit_bias with its JSON keys read as token ids; a key that is not a decimal id is a 400."""
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for key, value in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 19:
+            raise OpenAIError(
+                f"logit_bias: keys must be token ids (decimal integers >= 0), got {json.dumps(key)[:40]}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        out[int(key)] = value
+    return out
+
+
 def check_unsupported(req: _CommonRequest) -> None:
     """OpenAI features the engine does not implement; refused rather than silently ignored."""
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value != UNSUPPORTED_FIELDS[name]:
+            raise OpenAIError(f"{name} is not supported by this server", param=name, code="unsupported")
     t = req.temperature
     if t is not None and not 0.0 <= t <= MAX_TEMPERATURE:
         raise OpenAIError(

@@ -29,6 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine
 from thinkspec.entrypoints.openai.drain import Drain
@@ -41,7 +42,7 @@ from thinkspec.entrypoints.openai.protocol import (
     parse_json_body,
     parse_request,
 )
-from thinkspec.entrypoints.openai.serving import OpenAIServing, ServingConfig
+from thinkspec.entrypoints.openai.serving import OpenAIServing, ServingConfig, off_loop
 from thinkspec.entrypoints.openai.tokenization import DetokenizeRequest, detokenize, tokenize, tokenize_model
 from thinkspec.entrypoints.openai.validation import check_body
 from thinkspec.utils import logger
@@ -58,10 +59,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:
+        # Nobody is left to answer; one line instead of the tracebacks an unhandled error logs.
+        logger.info(
+            "%s %s: the client disconnected after %d of %s body bytes",
+            request.method, request.url.path, len(body), length or "?",
+        )  # fmt: skip
+        gone = "the client disconnected before sending the whole body"
+        raise OpenAIError(gone, code="client_disconnected") from None
     return bytes(body)
 
 
@@ -158,13 +168,17 @@ def build_app(
     # vLLM serves these outside /v1; here they need the key too, like everything that reads input.
     tok = APIRouter(dependencies=[Depends(check_api_key)])
 
+    # Tokenizing a large body, and writing its long list of ids as JSON, take a while: off the
+    # event loop, so other requests keep going (a Response skips FastAPI's slow jsonable_encoder).
     @tok.post("/tokenize")
-    async def tokenize_route(request: Request) -> dict[str, Any]:
-        return tokenize(serving, await read_request(request, tokenize_model))
+    async def tokenize_route(request: Request) -> Response:
+        req = await read_request(request, tokenize_model)
+        return await off_loop(lambda: JSONResponse(tokenize(serving, req)))
 
     @tok.post("/detokenize")
-    async def detokenize_route(request: Request) -> dict[str, Any]:
-        return detokenize(serving, await read_request(request, DetokenizeRequest))
+    async def detokenize_route(request: Request) -> Response:
+        req = await read_request(request, DetokenizeRequest)
+        return await off_loop(lambda: JSONResponse(detokenize(serving, req)))
 
     app.include_router(tok)
     _install_public_routes(app, engine, metrics)
@@ -324,6 +338,13 @@ class _DrainingServer:
                 # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and
                 # the default handler would end the process with the signal instead of status 0.
                 loop = getattr(self, "_drain_loop", None)
+                if loop is not None and self._drain_task is not None and not self.should_exit:
+                    # A second signal while draining: end what is in flight now (each still gets
+                    # its 503 or error event) and exit without waiting for connections.
+                    logger.info("got %s again: ending the requests in flight", signal.Signals(sig).name)
+                    self.force_exit = True
+                    loop.call_soon_threadsafe(drain.hurry)
+                    return
                 if loop is None or self._drain_task is not None or self.should_exit:
                     self.force_exit = self.should_exit
                     self.should_exit = True
@@ -358,8 +379,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(
-            e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}); is another server using it? "
-            "Choose another port with --port"
+            e.errno,
+            f"cannot listen on {host}:{port} ({e.strerror or e}); is another server using it? "
+            "Choose another port with --port",
         ) from e
     sock.set_inheritable(True)
     return sock

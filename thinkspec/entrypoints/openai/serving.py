@@ -9,12 +9,14 @@ request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from thinkspec.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from thinkspec.entrypoints.openai.drain import Drain
@@ -26,6 +28,7 @@ from thinkspec.entrypoints.openai.protocol import (
     OpenAIError,
     check_unsupported,
     engine_error,
+    logit_bias_ids,
     sampling_error,
 )
 from thinkspec.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -33,6 +36,17 @@ from thinkspec.reasoning.parsers import ReasoningStream
 from thinkspec.sampling_params import SamplingParams
 
 REASONING_FIELDS = ("both", "reasoning", "reasoning_content")
+
+# Templating, tokenizing and encoding large bodies run here, off the event loop. One thread: each
+# extra Python-busy thread makes the engine's thread (which gives up the GIL at every tensor op)
+# wait longer to get it back, slowing every stream; the Rust tokenizer itself releases the GIL.
+_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thinkspec-tokenize")
+_T = TypeVar("_T")
+
+
+async def off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) on the tokenizing thread, awaited from the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, functools.partial(fn, *args))
 
 
 @dataclass(slots=True)
@@ -226,6 +240,7 @@ class OpenAIServing:
             if value is not None:
                 kwargs[name] = value
         kwargs.update(self.logprob_params(req))
+        kwargs["logit_bias"] = logit_bias_ids(req)
         try:
             params = SamplingParams(
                 n=req.n,
@@ -347,6 +362,15 @@ class OpenAIServing:
             raise OpenAIError(
                 f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs", code="invalid_value"
             )
+        # The template tests the flag by Jinja truthiness and the reasoning split by Python's, which
+        # differ for values such as [] or "": only a bool means the same to both.
+        if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+            raise OpenAIError(
+                f"chat_template_kwargs.enable_thinking must be true or false, got "
+                f"{json.dumps(kwargs['enable_thinking'])[:40]}",
+                param="chat_template_kwargs.enable_thinking",
+                code="invalid_value",
+            )
         try:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -365,7 +389,10 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self.sampling_params(req, max_tokens, field)
-        prompt = self.chat_prompt(req)
+        # Templating and tokenizing a large body takes a while: off the event loop.
+        prompt = await off_loop(self.chat_prompt, req)
+        asked = params.max_tokens if max_tokens is not None else None
+        self.check_length(len(prompt["prompt_token_ids"]), asked, field, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = await self._add(request_id, prompt, params, "messages")
@@ -514,7 +541,10 @@ class OpenAIServing:
 
     # ---- text completions ---------------------------------------------------------------------
 
-    def completion_prompt(self, req: CompletionRequest) -> str | list[int]:
+    async def completion_prompt(self, req: CompletionRequest) -> str | list[int] | dict[str, Any]:
+        """The prompt for the engine: token ids as sent, or a text with its token ids (tokenized off
+        the event loop, as the engine would: `tokenizer.encode(text)`); the text alone without a
+        tokenizer (the engine then refuses it)."""
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -523,15 +553,43 @@ class OpenAIServing:
                     param="prompt",
                     code="invalid_value",
                 )
-            return prompt[0]
-        return prompt
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or self.tokenizer is None:
+            return prompt
+        ids = await off_loop(self.tokenizer.encode, prompt)
+        return {"prompt": prompt, "prompt_token_ids": list(ids)}
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, field: str, prompt_field: str) -> None:
+        """A 400 naming both numbers when the prompt, or the prompt plus an explicit max_tokens
+        (None: left out), exceeds max_model_len, as vLLM and OpenAI answer. A prompt too long is
+        refused here, before the engine's thread would spend time on its token ids."""
+        limit = self.engine.engine.max_model_len
+        if num_prompt > limit:
+            raise OpenAIError(
+                f"the prompt has {num_prompt} tokens, more than the limit of {limit} (max_model_len)",
+                param=prompt_field,
+                code="invalid_prompt",
+            )
+        if not max_tokens or num_prompt + max_tokens <= limit:
+            return
+        raise OpenAIError(
+            f"this model's maximum context length is {limit} tokens; the prompt has {num_prompt} tokens "
+            f"and {field} asks for {max_tokens} more ({num_prompt + max_tokens} in all): lower {field} "
+            f"to at most {limit - num_prompt} or shorten the prompt",
+            param=field,
+            code="context_length_exceeded",
+        )
 
     async def completion(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         # vLLM: echo with max_tokens=0 returns the prompt alone (one token is generated and dropped).
         echo_only = req.echo and req.max_tokens == 0
         params = self.sampling_params(req, 1 if echo_only else req.max_tokens)
-        prompt = self.completion_prompt(req)
+        prompt = await self.completion_prompt(req)
+        if isinstance(prompt, dict | list):
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+            asked = params.max_tokens if req.max_tokens is not None else None
+            self.check_length(len(ids), asked, "max_tokens", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = await self._add(request_id, prompt, params, "prompt")
