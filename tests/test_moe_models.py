@@ -165,3 +165,19 @@ def test_dense_layers_of_a_moe_model_use_intermediate_size() -> None:
     experts = model.model.layers[1].mlp.experts
     assert tuple(experts.gate_up_proj.shape) == (8, 2 * 32, 64)
     assert tuple(experts.down_proj.shape) == (8, 64, 32)
+
+
+def test_stacked_gate_up_cannot_be_split_over_ranks_but_down_can() -> None:
+    from thinkspec.distributed.parallel_state import TPLayout
+    from thinkspec.layers.moe import MoEExperts
+
+    with torch.device("meta"):
+        rank1 = MoEExperts(4, 16, 32, TPLayout(1, 2))
+    assert rank1.checkpoint_slice("down_proj") == (2, 16, 16)
+    with pytest.raises(
+        ValueError, match="stacked experts.gate_up_proj cannot be split over tensor_parallel_size"
+    ):
+        rank1.checkpoint_slice("gate_up_proj")
+    # per-expert tensors can: this rank's gate rows, up rows and down columns
+    assert rank1.expert_target(3, "gate_proj", "weight")[1] == (0, 16, 16)
+    assert rank1.expert_target(3, "down_proj", "weight")[1] == (1, 16, 16)
