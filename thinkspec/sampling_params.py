@@ -13,6 +13,7 @@ from thinkspec.config import (
     validate_relax_fields,
     validate_rule_fields,
 )
+from thinkspec.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from thinkspec.config import SpeculativeConfig
@@ -106,6 +107,8 @@ class SamplingParams:
     relax_protect: list[int | str] | tuple[int | str, ...] | None = None
     # At most this many tokens inside <think>; then the next token is </think>. -1 = None = no limit.
     thinking_token_budget: int | None = None
+    # A grammar the output must follow (past the thinking, with a reasoning parser); needs xgrammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -127,6 +130,9 @@ class SamplingParams:
         lo, hi = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
         _check_number("repetition_penalty", self.repetition_penalty, lo=lo, hi=hi)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -24,6 +24,8 @@ from thinkspec.engine_args import EngineArgs
 from thinkspec.models.loader import check_tensor_parallel_size
 from thinkspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from thinkspec.sampling.logprobs import LogprobsTensors
+from thinkspec.sampling.structured import compile_for_request
+from thinkspec.sampling.structured import register as register_grammar
 from thinkspec.sampling_params import SamplingParams, resolve_relax
 from thinkspec.spec_decode.metrics import SpecDecodeMetrics
 from thinkspec.utils import logger, resolve_device
@@ -148,6 +150,7 @@ class LLMEngine:
             )
         spec = self.speculator.config if self.speculator is not None else None
         relax = resolve_relax(params, spec, f"request {request_id!r}")
+        grammar = None if params.structured_outputs is None else compile_for_request(self, request_id, params)
         # The parser's starting phase, so relaxation covers exactly the text returned as reasoning.
         kwargs = prompt.get("chat_template_kwargs") if isinstance(prompt, Mapping) else None
         starts = self.reasoning is not None and self.reasoning.starts_in_thinking(token_ids, kwargs)
@@ -170,6 +173,8 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]  # fmt: skip
+        for seq in seqs if grammar is not None else ():
+            register_grammar(seq, grammar)
         self.scheduler.add(seqs[0])
         if params.n > 1:
             self._parents[request_id] = ParentRequest(request_id, seqs, held=seqs[1:])

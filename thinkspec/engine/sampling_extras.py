@@ -6,6 +6,7 @@ plain decoding pays no extra host work, device work or copies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from thinkspec.outputs import Logprob, PositionLogprobs
 from thinkspec.sampling.logprobs import HostLogprobs, LogprobsTensors, compute_logprobs
 from thinkspec.sampling.penalties import PenaltyTensors, apply_penalties, window_counts
 from thinkspec.sampling.sampler import Sampler
+from thinkspec.sampling.structured import GrammarState, advance_grammar, apply_grammar, grammar_rows
 
 
 def prompt_logprob_rows(seq: Sequence, num_new: int) -> int:
@@ -39,6 +41,7 @@ class StepExtras:
     logprob_rows: list[int]  # sequences that want output logprobs
     num_logprobs: int  # the most alternatives any of them wants
     bias: torch.Tensor | None = None  # [S, V] float32: logit_bias, 0 where a request sets none
+    grammar: list[tuple[int, GrammarState]] = dataclasses.field(default_factory=list)  # constrained rows
 
     @classmethod
     def build(cls, seqs: Seq[Sequence], vocab_size: int, device: torch.device) -> StepExtras | None:
@@ -46,7 +49,8 @@ class StepExtras:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         penalised = any(p.has_penalties for p in params)
         biased = any(p.logit_bias for p in params)
-        if not rows and not penalised and not biased:
+        grammar = grammar_rows(list(seqs)) if any(p.structured_outputs for p in params) else []
+        if not rows and not penalised and not biased and not grammar:
             return None
         bias = _bias_rows([p.logit_bias for p in params], vocab_size, device) if biased else None
         penalties = None
@@ -58,7 +62,7 @@ class StepExtras:
                 vocab_size,
                 device,
             )
-        return cls(penalties, rows, max((params[i].logprobs for i in rows), default=0), bias)
+        return cls(penalties, rows, max((params[i].logprobs for i in rows), default=0), bias, grammar)
 
     def penalise(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [S, V] float32 (one row per sequence) -> [S, V], biased then penalised (vLLM's
@@ -173,7 +177,8 @@ def sample_with_extras(
 ) -> tuple[torch.Tensor, StepExtras | None, LogprobsTensors | None]:
     """logits [S, V] float32 (may be masked in place) -> (tokens [S] int64, the rows' extras,
     logprobs of the rows asking): penalties, then the min_tokens mask and (with think_end_id) the
-    thinking budget, then the sampler."""
+    thinking budget, then the grammars of structured outputs, then the sampler (whose tokens then
+    advance those grammars)."""
     extras = StepExtras.build(seqs, logits.shape[-1], logits.device)
     raw = extras.raw_rows(logits[:, None]) if extras is not None else None
     if extras is not None:
@@ -181,8 +186,12 @@ def sample_with_extras(
     mask_stops_before_min_tokens(logits.unsqueeze(1), seqs)
     if think_end_id is not None:
         force_think_end_over_budget(logits, seqs, think_end_id)
+    if extras is not None and extras.grammar:
+        apply_grammar(logits, seqs, extras.grammar)
     params, positions = [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs]
     tokens = sampler(logits, params, positions)
+    if extras is not None and extras.grammar:
+        advance_grammar(tokens, extras.grammar)
     lp = extras.logprobs(raw, tokens[:, None]) if extras is not None else None
     return tokens, extras, lp
 
