@@ -119,6 +119,11 @@ class _CommonRequest(_Strict):
     relax_ratio: float | None = None
     relax_top_k: int | None = None
     relax_delta: float | None = None
+    relax_rule: str | None = None  # "topk_ratio", "lenient" or "typical"
+    relax_lambda: float | None = None
+    posterior_threshold: float | None = None
+    posterior_alpha: float | None = None
+    relax_protect: list[int | str] | None = None  # token ids, "digits", "operators", "re:<regex>"
     thinking_token_budget: int | None = None  # vLLM's field: at most this many tokens inside <think>
 
 

@@ -233,7 +233,8 @@ class OpenAIServing:
                 kwargs[name] = value
         for name in (
             "min_p", "seed", "stop", "stop_token_ids", "relaxed_thinking", "relax_ratio", "relax_top_k",
-            "relax_delta", "thinking_token_budget", "presence_penalty", "frequency_penalty",
+            "relax_delta", "relax_rule", "relax_lambda", "posterior_threshold", "posterior_alpha",
+            "relax_protect", "thinking_token_budget", "presence_penalty", "frequency_penalty",
             "repetition_penalty",
         ):  # fmt: skip
             value = getattr(req, name)
