@@ -30,15 +30,15 @@ class AcceptanceBatch:
     relax_ratio: torch.Tensor  # [B] float in [0, 1]
     relax_top_k: torch.Tensor  # [B] int64/int32 >= 1
     relax_delta: torch.Tensor  # [B] float in [0, 1], NaN = unset
+    draft_probs: torch.Tensor | None = None  # [B, K, V] float draft distribution q; None: q = one_hot(draft)
+    seeds: torch.Tensor | None = None  # [B] int64 per-request seeds; None: draws come from the generator
+    seed_offset: int = 0  # per-step offset mixed into every request's stream
+    all_greedy: bool | None = None  # True promises every temperature is 0: kernels skip the sampling launches
     # The bounded-distortion rules (docs/ACCEPTANCE.md); all four None = every row uses topk_ratio.
     relax_rule: torch.Tensor | None = None  # [B] int64/int32: RULE_TOPK_RATIO, RULE_LENIENT or RULE_TYPICAL
     relax_lambda: torch.Tensor | None = None  # [B] float in (0, 1]: lenient rows' lambda
     posterior_threshold: torch.Tensor | None = None  # [B] float in [0, 1]: typical rows' epsilon
     posterior_alpha: torch.Tensor | None = None  # [B] float >= 0: typical rows' delta
-    draft_probs: torch.Tensor | None = None  # [B, K, V] float draft distribution q; None: q = one_hot(draft)
-    seeds: torch.Tensor | None = None  # [B] int64 per-request seeds; None: draws come from the generator
-    seed_offset: int = 0  # per-step offset mixed into every request's stream
-    all_greedy: bool | None = None  # True promises every temperature is 0: kernels skip the sampling launches
 
     def __post_init__(self) -> None:
         check_shapes(self)
