@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from thinkspec.sampling_params import SamplingParams
+from thinkspec.structured_outputs import StructuredOutputsParams
 from thinkspec.utils import logger
 
 # OpenAI's documented range; SamplingParams itself only needs >= 0.
@@ -125,6 +126,13 @@ class _CommonRequest(_Strict):
     posterior_alpha: float | None = None
     relax_protect: list[int | str] | None = None  # token ids, "digits", "operators", "re:<regex>"
     thinking_token_budget: int | None = None  # vLLM's field: at most this many tokens inside <think>
+    # Structured outputs (at most one of these; see structured_params)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -247,12 +255,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "response_format": {"type": "text"},
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
     "allowed_token_ids": None,
     "bad_words": [],
     "logits_processors": [],
@@ -274,6 +276,58 @@ def logit_bias_ids(req: _CommonRequest) -> dict[int, float] | None:
             )
         out[int(key)] = value
     return out
+
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")  # fmt: skip
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def structured_params(req: _CommonRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the request's structured-output constraint, the field that set it), from OpenAI's
+    response_format (json_object, json_schema), vLLM's structured_outputs or its older guided_*
+    fields; a 400 naming the field for a bad or second one. response_format text is no constraint."""
+    given = [name for name in STRUCTURED_FIELDS if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format == {"type": "text"}:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise OpenAIError(f"set at most one of {', '.join(given)}", param=given[1], code="invalid_value")
+    if not given:
+        return None, None
+    name = given[0]
+    value = getattr(req, name)
+    try:
+        if name == "response_format":
+            kwargs = _response_format(value)
+        elif name == "structured_outputs":
+            unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
+            if unknown:
+                raise OpenAIError(
+                    f"structured_outputs: {unknown} not supported (only {', '.join(_STRUCTURED_KEYS)})",
+                    param=f"structured_outputs.{unknown[0]}",
+                    code="unsupported",
+                )
+            kwargs = {k: v for k, v in value.items() if v is not None}
+        else:
+            kwargs = {name.removeprefix("guided_"): value}
+        return StructuredOutputsParams(**kwargs), name
+    except ValueError as e:
+        raise OpenAIError(f"{name}: {e}", param=name, code="invalid_value") from None
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format -> StructuredOutputsParams' keyword arguments; ValueError if bad."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        if not isinstance(spec.get("strict", False), bool):
+            raise ValueError("json_schema.strict must be a bool")
+        return {"json": spec["schema"]}  # strict or not, the schema is enforced
+    raise ValueError(f"type must be one of text, json_object, json_schema; got {json.dumps(kind)[:40]}")
 
 
 def check_unsupported(req: _CommonRequest) -> None:

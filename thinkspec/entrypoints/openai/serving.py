@@ -30,9 +30,11 @@ from thinkspec.entrypoints.openai.protocol import (
     engine_error,
     logit_bias_ids,
     sampling_error,
+    structured_params,
 )
 from thinkspec.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from thinkspec.reasoning.parsers import ReasoningStream
+from thinkspec.sampling.structured import XGRAMMAR_MISSING, grammar_cache
 from thinkspec.sampling_params import SamplingParams
 
 REASONING_FIELDS = ("both", "reasoning", "reasoning_content")
@@ -242,6 +244,7 @@ class OpenAIServing:
                 kwargs[name] = value
         kwargs.update(self.logprob_params(req))
         kwargs["logit_bias"] = logit_bias_ids(req)
+        kwargs["structured_outputs"] = structured_params(req)[0]
         try:
             params = SamplingParams(
                 n=req.n,
@@ -294,6 +297,30 @@ class OpenAIServing:
         if isinstance(req, CompletionRequest) and req.echo and logprobs is not None and prompt is None:
             prompt = logprobs
         return {"logprobs": logprobs, "prompt_logprobs": prompt}
+
+    async def compile_grammar(
+        self, req: ChatCompletionRequest | CompletionRequest, params: SamplingParams
+    ) -> None:
+        """Compile the request's grammar, if any, on the tokenizer thread (the engine's cache then has
+        it); a 400 naming the field that set it when it is bad, xgrammar is missing or the engine
+        speculates (its verify rows are not constrained yet)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        field = structured_params(req)[1]
+        engine = self.engine.engine
+        if engine.speculator is not None:
+            raise OpenAIError(
+                f"{field}: structured outputs are not supported with speculative decoding yet; serve "
+                "without --speculative-config for constrained requests",
+                param=field,
+                code="unsupported",
+            )
+        try:
+            await off_loop(grammar_cache(engine).compile, so)
+        except ValueError as e:
+            code = "unsupported" if str(e) == XGRAMMAR_MISSING else "invalid_value"
+            raise OpenAIError(f"{field}: {e}", param=field, code=code) from None
 
     async def _add(self, request_id: str, prompt: Any, params: SamplingParams, param: str) -> RequestStream:
         if self.drain.closed:
@@ -390,6 +417,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self.sampling_params(req, max_tokens, field)
+        await self.compile_grammar(req, params)
         # Templating and tokenizing a large body takes a while: off the event loop.
         prompt = await off_loop(self.chat_prompt, req)
         asked = params.max_tokens if max_tokens is not None else None
@@ -586,6 +614,7 @@ class OpenAIServing:
         # vLLM: echo with max_tokens=0 returns the prompt alone (one token is generated and dropped).
         echo_only = req.echo and req.max_tokens == 0
         params = self.sampling_params(req, 1 if echo_only else req.max_tokens)
+        await self.compile_grammar(req, params)
         prompt = await self.completion_prompt(req)
         if isinstance(prompt, dict | list):
             ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
