@@ -1,4 +1,5 @@
-"""The fused mixture-of-experts block in Triton (layers/moe.py has the torch reference), four launches:
+"""The fused mixture-of-experts block in Triton (layers/moe.py has the torch reference), five launches
+after the router's product:
 
   _route_kernel        per token: softmax of the router logits in float32, top-k by falling
                        probability (ties to the lower expert id, as torch.topk), renormalised when
@@ -10,7 +11,8 @@
   _expert_gemm_kernel  (GATE_UP) a grouped GEMM over the blocks: each block's rows of x times its
                        expert's gate and up rows, SiLU(gate) * up fused -> h [T * K, I] by pair;
                        (not GATE_UP) h's rows times the expert's down rows, scaled by the pair's routing
-                       weight -> y [T * K, H] by pair; the k slots of a token are then summed in float32.
+                       weight -> y [T * K, H] by pair
+  _combine_kernel      each token's k slots of y summed in float32 (0 for a CUDA graph's padding rows)
 
 Decode (T <= DECODE_MAX_ROWS): BLOCK_M is T rounded up to a power of two, so each selected expert is
 one block (a token picks an expert once): its weights are read once per column tile, whatever number
@@ -121,6 +123,30 @@ def _align_kernel(
         pos = tl.cumsum(hit, axis=0) - 1
         tl.store(sorted_ptr + row + pos, offs, mask=hit > 0)
         row += tl.sum(hit, axis=0)
+    pad = row + tl.arange(0, BLOCK_M)  # the rest of its last block: fewer than BLOCK_M padding rows
+    tl.store(sorted_ptr + pad, num_pairs, mask=pad < (first_block + own_blocks) * BLOCK_M)
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,  # [T * TOP_K, H] model dtype, each pair's weighted expert output (rows contiguous)
+    out_ptr,  # [T, H] model dtype out
+    valid_ptr,  # [1] int32 rows before it are real (HAS_VALID); padding rows get 0
+    hidden,
+    TOP_K: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    read = ok
+    if HAS_VALID:
+        read = ok & ((cols * 0 + t) < tl.load(valid_ptr))  # a vector: the interpreter takes no scalar mask
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * hidden + cols, mask=read, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -251,7 +277,8 @@ def align_by_expert(
     max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
     if block_m >= ids.shape[0]:  # decode form: one block per selected expert
         max_blocks = min(num_experts, pairs)
-    sorted_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=ids.device)
+    # rows past the last expert's blocks are left unwritten: no GEMM program reads them
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_end = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = _pow2(num_experts)
     chunk = max(16, min(_pow2(pairs), 16384 // block_e))
@@ -303,10 +330,15 @@ def fused_moe(
         x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, h.stride(0),
         sorted_ids, block_end, weights, pairs, e, inter, hidden, GATE_UP=True, **common,
     )  # fmt: skip
-    # padding rows' pairs are in no block: their rows of y stay 0
-    y = (torch.empty if num_valid is None else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # padding rows' pairs: unwritten
     _expert_gemm_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         h, h.stride(0), down, down.stride(0), down.stride(1), y, y.stride(0),
         sorted_ids, block_end, weights, pairs, e, hidden, inter, GATE_UP=False, **common,
     )  # fmt: skip
-    return y.view(t, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty_like(x)
+    block_h = min(1024, _pow2(hidden))
+    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
+        y, out, block_end if num_valid is None else num_valid, hidden, TOP_K=top_k,
+        HAS_VALID=num_valid is not None, BLOCK_H=block_h,
+    )  # fmt: skip
+    return out
