@@ -351,8 +351,8 @@ def _rule_kw(n, rule, lam, eps, alpha, temp=0.8):
         temperature=torch.full((n,), temp), relax_ratio=torch.full((n,), 0.15),
         relax_top_k=torch.full((n,), 3, dtype=torch.long), relax_delta=torch.full((n,), NAN),
         draft_probs=q.float().expand(n, 1, -1).contiguous(), relax_rule=torch.full((n,), rule),
-        relax_lambda=torch.full((n,), lam), posterior_threshold=torch.full((n,), eps),
-        posterior_alpha=torch.full((n,), alpha),
+        relax_lambda=torch.full((n,), float(lam)), posterior_threshold=torch.full((n,), float(eps)),
+        posterior_alpha=torch.full((n,), float(alpha)),
     )  # fmt: skip
     return kw, drafts, p, q
 
@@ -501,6 +501,26 @@ def test_gpu_sampling_distributions(relax, logit_dtype):
     # Bonus rows (all drafts accepted) come from row 1, which equals row 0 here: also ~ p.
     bonus = res.output_token_ids[res.num_accepted == 1, 1]
     assert chi2_pvalue(bonus, p) > 1e-4
+
+
+@gpu
+@pytest.mark.parametrize("rule, lam, eps, alpha", [(1, 0.5, 0, 0), (1, 1.0, 0, 0), (2, 1.0, 0.2, 0.36)])
+def test_gpu_rule_distributions(rule, lam, eps, alpha):
+    # The lenient and typical kernels at GPU sample sizes: emitted ~ the analytic pi (p at lambda 1),
+    # with the power to tell pi from p; a mixed batch's topk_ratio rows beside them stay lossless.
+    n = N_GPU
+    kw, drafts, p, q = _rule_kw(n, rule, lam, eps, alpha)
+    kw["relax_rule"][: n // 4] = 0  # topk_ratio rows with relax on: the seed rule's pi
+    acc_p = lenient_acceptance(p, q, lam) if rule == 1 else typical_acceptance(p, q, eps, alpha)
+    res = _rs(**_cuda(kw), generator=torch.Generator(device="cuda").manual_seed(11))
+    out = res.output_token_ids[n // 4 :, 0].cpu()
+    want = pi_from_acceptance(p, q, acc_p)
+    assert out.numel() == n - n // 4
+    assert chi2_pvalue(out, want) > 1e-4
+    if lam != 1.0 or rule == 2:
+        assert chi2_pvalue(out, p) < 1e-12
+    seed_pi = pi_distribution(p, q, relaxed_set(dist_setup(seed=2)[0], 0.8, 0.15, 3, NAN))
+    assert chi2_pvalue(res.output_token_ids[: n // 4, 0].cpu(), seed_pi) > 1e-4
 
 
 @gpu
