@@ -1,4 +1,4 @@
-"""Model code for Hugging Face checkpoints: Qwen3, Qwen2, Llama."""
+"""Model code for Hugging Face checkpoints: Qwen3, Qwen2, Llama, and Qwen3-MoE / Qwen2-MoE."""
 
 from thinkspec.models.loader import ARCHITECTURES, ModelInfo, load_model
 
