@@ -181,3 +181,18 @@ def test_stacked_gate_up_cannot_be_split_over_ranks_but_down_can() -> None:
     # per-expert tensors can: this rank's gate rows, up rows and down columns
     assert rank1.expert_target(3, "gate_proj", "weight")[1] == (0, 16, 16)
     assert rank1.expert_target(3, "down_proj", "weight")[1] == (1, 16, 16)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_experts_with_graphs_greedy_equals_eager_and_hf() -> None:
+    # the Triton path (CUDA graphs of padded batch buckets, and eager) against transformers, fp32
+    path = moe_checkpoint()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for eager in (False, True):
+        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager)
+        assert all(m.fused for m in llm.llm_engine.model.modules() if isinstance(m, SparseMoeBlock))
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        del llm
+    assert [len(t) for t in runs[0]] == [NEW_TOKENS] * len(PROMPTS)
+    assert runs[0] == runs[1] == [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
