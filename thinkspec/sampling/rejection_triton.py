@@ -323,7 +323,6 @@ def _accept_request(
     # Uniforms at counter (row, token V) of the request's stream; tokens use counters < V.
     u = tl.rand(seed, (seed_offset.to(tl.int64) * (K + 1) + offs_k) * (V + 1) + V)
     lossless = u * qd < pd
-    relaxed_only = tl.where(greedy_v, d != g, pd < qd)
     if RULES:
         # Lenient: u * lambda * q(d) < p(d); typical: p(d) > min(eps, alpha * exp(-H(p))), H = lse -
         # E_p[x]. Neither relaxes a greedy row; relaxed_accepted marks what lossless would reject.
@@ -333,11 +332,13 @@ def _accept_request(
         lenient = u * tl.load(lam_ptr + b) * qd < pd
         rule_ok = relax_on & ~greedy_v & tl.where(rule == 1, lenient, (rule == 2) & (pd > tau))
         relaxed = tl.where(rule == 0, relaxed, rule_ok)
-        relaxed_only = tl.where(rule == 0, relaxed_only, ~lossless)
     acc = tl.where(greedy_v, strict | relaxed, relaxed | lossless) & (offs_k < n) & is_pos
     # num_accepted = length of the leading run of accepts (acc is false from position n on).
     j = tl.min(tl.where(acc, K1_P2, offs_k), 0).to(tl.int64)
     in_run = offs_k < j
+    relaxed_only = tl.where(greedy_v, d != g, pd < qd)
+    if RULES:
+        relaxed_only = tl.where(tl.load(rule_ptr + b) == 0, relaxed_only, ~lossless)
     # Emitting row j: correction (j < n) or bonus (j == n); sampled requests get theirs from the race.
     g_j = tl.sum(tl.where(offs_k == j, g, 0), 0)
     lse_j = tl.sum(tl.where(offs_k == j, lse, 0.0), 0)
