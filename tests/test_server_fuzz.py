@@ -116,6 +116,26 @@ COMMON = {
             st.sampled_from(["0", "5", "260", "261", "99999", "-1", "x", ""]) | text, floats, max_size=3
         )
     ),
+    "response_format": maybe(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+        | st.fixed_dictionaries(
+            {
+                "type": st.just("json_schema"),
+                "json_schema": st.fixed_dictionaries(
+                    {"name": text, "schema": st.just({"type": "object"}) | wild}, optional={"strict": wild}
+                ),
+            }
+        )
+    ),
+    "structured_outputs": maybe(
+        st.dictionaries(
+            st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "x"]), wild, max_size=2
+        )
+    ),
+    "guided_regex": maybe(st.sampled_from(["a+", "[0-9]{2}", "(", "[^\\s\\S]", ""]) | text),
+    "guided_choice": maybe(st.lists(text, max_size=3)),
+    "guided_json": maybe(st.just({"type": "integer"}) | st.just("{")),
+    "guided_grammar": maybe(st.sampled_from(['root ::= "a"', "root ::= x", ""]) | text),
 }
 part = st.fixed_dictionaries({"type": maybe(st.just("text")), "text": maybe(text)})
 message = st.fixed_dictionaries(
