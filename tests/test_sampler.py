@@ -166,7 +166,7 @@ def test_sampler_rejects_mismatched_shapes():
         ({"n": 129}, "n must be"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\]"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
-        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, inf\)"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 100.0\]"),
         ({"logprobs": -1}, "logprobs must be None or an integer >= 0"),
         ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
         ({"stop": [""]}, "stop"),

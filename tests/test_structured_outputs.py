@@ -153,3 +153,23 @@ def test_without_xgrammar_the_engine_runs_and_a_constrained_request_names_it(mon
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match=r"xgrammar package: pip install 'thinkspec\[structured\]'"):
         llm.llm_engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, structured_outputs=SO(regex="a+")))
+
+
+def test_a_complete_grammar_allows_only_stop_tokens_even_with_ignore_eos(llm):
+    tok = llm.llm_engine.tokenizer
+    messages = [{"role": "user", "content": "What is 12 + 7?"}]
+    prompt = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    sp = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        structured_outputs=SO(choice=["yes", "no"]),
+    )
+    out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12
+    answer = tok.decode(out.token_ids[:-10])
+    assert answer in ("yes", "no"), out.text
+    assert set(out.token_ids[-10:]) <= set(llm.llm_engine.eos_token_ids)

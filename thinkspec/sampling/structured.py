@@ -133,16 +133,22 @@ def apply_grammar(logits: torch.Tensor, seqs: list[Any], rows: list[tuple[int, G
         while state.fed and state.fed[-1] >= seq.num_output_tokens:
             state.matcher.rollback(1)
             state.fed.pop()
-        if seq.thinking or state.matcher.is_terminated():
+        if seq.thinking:
             continue
-        state.pending = seq.num_output_tokens
+        if not state.matcher.is_terminated():
+            state.pending = seq.num_output_tokens
         masked.append((i, state))
     if not masked:
         return
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(logits), vocab)
     for i, state in masked:
-        state.matcher.fill_next_token_bitmask(bitmask, i)
+        if state.pending >= 0:
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+        else:  # the grammar is complete and its stop token was sampled (ignore_eos): only stop tokens
+            bitmask[i] = 0
+            for t in state.matcher.stop_token_ids:
+                bitmask[i, t // 32] |= 1 << (t % 32)
     index = [i for i, _ in masked]
     if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=index)
