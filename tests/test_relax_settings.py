@@ -157,3 +157,26 @@ def test_lenient_lambda_one_matches_strict_end_to_end(tmp_path):
     assert len(base) == 3 and all(len(t) == 24 for t in base)
     assert run(lenient, relax_lambda=1.0) == base
     assert run(lenient, relax_lambda=0.05) != base
+
+
+def test_typical_knobs_reach_the_acceptance_end_to_end(tmp_path):
+    # Threshold min(eps, alpha * exp(-H)): eps = 1 with a huge alpha passes nothing (strict's
+    # tokens); either knob at 0 passes every draft with p > 0, and the output changes.
+    target = tiny_checkpoint("qwen3", tied=True)
+    draft = noisy_copy(target, tmp_path / "noisy", 0.3)
+    cfg = {"model": str(draft), "num_speculative_tokens": 3, "reasoning_parser": "qwen3"}
+    prompts = [[72, 105, 33, THINK_ID]] * 3
+    strict = LLM(target, device="cpu", speculative_config=cfg)
+    typical = LLM(
+        target, device="cpu", speculative_config={**cfg, "relaxed_thinking": True, "relax_rule": "typical"}
+    )
+
+    def run(llm, **kw):
+        params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=11, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    base = run(strict)
+    assert len(base) == 3 and all(len(t) == 24 for t in base)
+    assert run(typical, posterior_threshold=1.0, posterior_alpha=1e6) == base
+    assert run(typical, posterior_threshold=1.0, posterior_alpha=0.0) != base
+    assert run(typical, posterior_threshold=0.0, posterior_alpha=1e6) != base
