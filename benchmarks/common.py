@@ -111,6 +111,42 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
+    """HF transformers' model for the config in folder, random weights, in eval mode."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    # Built on the device: random init of billions of parameters on the host takes minutes.
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device: torch.device) -> float:
+    """Seconds to generate output_len tokens for the batch, minus the time of a 1-token run (prefill)."""
+
+    def run(n: int) -> float:
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if static:
+            kwargs["cache_implementation"] = "static"
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
+        sync(device)
+        return time.perf_counter() - t0
+
+    if static:
+        # transformers compiles the forward for a static cache, once per cache length (prompt +
+        # max_new_tokens): warm up both lengths timed below so no compilation is timed.
+        run(output_len)
+        run(1)
+    else:
+        run(2)
+    return run(output_len) - run(1)
+
+
 def rate_for_acceptance_length(length: float, k: int) -> float:
     """Per-draft acceptance probability r with sum_{i=0..k} r^i = length (bisection)."""
     lo, hi = 0.0, 1.0

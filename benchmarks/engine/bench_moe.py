@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import (
     QWEN3_0_6B,
     SMALL_DRAFT,
+    hf_model,
     rate_for_acceptance_length,
     sync,
+    time_hf,
     time_thinkspec,
     write_config,
     write_json,
@@ -136,31 +138,12 @@ def time_verify(llm: LLM, counter: torch.Tensor, prompts: list[list[int]], args:
 
 def hf_rows(folder: Path, batches: list[int], prompts: torch.Tensor, args: Any, device: torch.device):
     """(engine, batch, decode seconds) of HF transformers, eager and with its static cache."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
-    with torch.device(device):  # built on the device: a host init of 30B parameters takes minutes
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=_dtype(device)).eval()
-
-    def run(model: Any, batch: torch.Tensor, n: int, static: bool) -> float:
-        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        if static:
-            kwargs["cache_implementation"] = "static"
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
-        sync(device)
-        return time.perf_counter() - t0
-
+    model = hf_model(folder, _dtype(device), device)
     rows = []
     for b in batches:
         batch = prompts[:b].to(device)
         for name, static in (("hf_eager", False), ("hf_static", True)):
-            run(model, batch, args.output_len, static)  # warm-up (the static cache compiles per length)
-            run(model, batch, 1, static)
-            rows.append((name, b, run(model, batch, args.output_len, static) - run(model, batch, 1, static)))
+            rows.append((name, b, time_hf(model, batch, args.output_len, static, device)))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

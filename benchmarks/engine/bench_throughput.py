@@ -21,7 +21,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -33,8 +32,9 @@ from benchmarks.common import (
     QWEN3_8B,
     SMALL_DRAFT,
     SMALL_TARGET,
+    hf_model,
     rate_for_acceptance_length,
-    sync,
+    time_hf,
     time_thinkspec,
     write_config,
     write_json,
@@ -44,41 +44,6 @@ from thinkspec.bench.synthetic import install_synthetic_acceptance
 from thinkspec.layers import gemv_triton, pdl
 from thinkspec.layers.attention import Attention
 from thinkspec.layers.linear import Linear, MergedLinear
-
-
-def hf_model(folder: Path, dtype: torch.dtype, device: torch.device):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
-    # Built on the device: random init of 8B parameters on the host takes minutes.
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
-def time_hf(model, prompts: torch.Tensor, output_len: int, static: bool, device: torch.device) -> float:
-    """Seconds to generate output_len tokens for the batch, minus the time of a 1-token run (prefill)."""
-
-    def run(n: int) -> float:
-        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        if static:
-            kwargs["cache_implementation"] = "static"
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
-        sync(device)
-        return time.perf_counter() - t0
-
-    if static:
-        # transformers compiles the forward for a static cache, once per cache length (prompt +
-        # max_new_tokens): warm up both lengths timed below so no compilation is timed.
-        run(output_len)
-        run(1)
-    else:
-        run(2)
-    return run(output_len) - run(1)
 
 
 def main() -> None:
