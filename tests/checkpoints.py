@@ -90,6 +90,21 @@ def build_tokenizer():
     return fast
 
 
+def fill_random(model: torch.nn.Module, seed: int, init_std: float) -> None:
+    """Seeded random weights that keep a tiny model's logits spread out: norms near 1, biases and
+    weights small noise."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(init_std * noise)
+
+
 def make_tiny_checkpoint(
     path: str | Path,
     arch: str = "qwen3",
@@ -149,16 +164,7 @@ def make_tiny_checkpoint(
     )
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(init_std * noise)
+    fill_random(model, seed, init_std)
     model = model.to(dtype)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=list(dict.fromkeys([im_end, eos])),

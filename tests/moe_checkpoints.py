@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoints import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+from checkpoints import ENDOFTEXT_ID, IM_END_ID, build_tokenizer, fill_random
 
 _CACHE: dict[str, Path] = {}
 
@@ -59,16 +59,7 @@ def make_moe_checkpoint(
         raise ValueError(f"arch={arch!r}; expected 'qwen3_moe' or 'qwen2_moe'")
     torch.manual_seed(seed)
     model = cls(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(init_std * noise)
+    fill_random(model, seed, init_std)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=[IM_END_ID, ENDOFTEXT_ID], pad_token_id=ENDOFTEXT_ID
     )

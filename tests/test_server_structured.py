@@ -16,19 +16,13 @@ pytest.importorskip("xgrammar")
 
 from fastapi.testclient import TestClient  # noqa: E402
 from server_process import running_engine  # noqa: E402
+from structured_cases import QUESTION, SCHEMA  # noqa: E402
 
 from thinkspec.entrypoints.openai.server import build_app  # noqa: E402
 from thinkspec.entrypoints.openai.serving import ServingConfig  # noqa: E402
 from thinkspec.model_names import TOY_MODELS  # noqa: E402
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
-QUESTION = "Max has 608 books. He gets 350 more. How many books does Max have now?"
-SCHEMA = {
-    "type": "object",
-    "properties": {"answer": {"type": "integer"}, "unit": {"type": "string", "enum": ["books", "apples"]}},
-    "required": ["answer", "unit"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from checkpoints import tiny_checkpoint
+from structured_cases import QUESTION, SCHEMA
 
 from thinkspec import LLM, SamplingParams
 from thinkspec.model_names import TOY_MODELS
@@ -18,13 +19,6 @@ from thinkspec.structured_outputs import StructuredOutputsParams as SO
 
 xgrammar = pytest.importorskip("xgrammar")
 
-QUESTION = "Max has 608 books. He gets 350 more. How many books does Max have now?"
-SCHEMA = {
-    "type": "object",
-    "properties": {"answer": {"type": "integer"}, "unit": {"type": "string", "enum": ["books", "apples"]}},
-    "required": ["answer", "unit"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
