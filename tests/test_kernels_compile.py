@@ -403,10 +403,13 @@ def test_acceptance_kernels_compile(dtype):
         "pmax_ptr": "fp32", "pidx_ptr": "i32", "pcnt_ptr": "i32", "psum_ptr": "fp32", "ndraft_ptr": "i64",
         "ratio_ptr": "fp32", "topk_ptr": "i64", "q_ptr": "fp32", "seed_ptr": "i64", "out_ptr": "i64",
         "nacc_ptr": "i64", "flag_ptr": "u8", "emit_lse_ptr": "fp32",
+        # the lenient / typical rules' inputs (read when RULES) and the stats' sum of exp(x - m) * x
+        "psx_ptr": "fp32", "rule_ptr": "i64", "lam_ptr": "fp32", "eps_ptr": "fp32", "alpha_ptr": "fp32",
     }  # fmt: skip
     tile, vec = rt.STATS_TILE, rt.STATS_VEC
-    for fuse, has_q in ((False, False), (True, False), (True, True)):
-        constexprs = {"TILE": tile, "VEC": vec, "FUSE": fuse, "HAS_Q": has_q, "K1_P2": 8}
+    variants = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+    for fuse, has_q, rules in variants:  # (FUSE, HAS_Q, RULES)
+        constexprs = {"TILE": tile, "VEC": vec, "FUSE": fuse, "HAS_Q": has_q, "K1_P2": 8, "RULES": rules}
         stats = compile_sm90(
             rt._row_stats_kernel, {**accept, "count_ptr": "i32"}, constexprs, rt.STATS_WARPS,
             maxnreg=rt.STATS_MAXNREG,
@@ -415,8 +418,8 @@ def test_acceptance_kernels_compile(dtype):
         # the accept tail), never the streaming loops' state.
         usage = resource_usage(stats.asm["cubin"])
         assert usage["REG"] <= rt.STATS_MAXNREG and usage["LOCAL"] == 0 and usage["STACK"] <= 16, usage
-    for has_q in (False, True):
-        compile_sm90(rt._accept_kernel, accept, {"HAS_Q": has_q, "K1_P2": 8}, 2)
+    for has_q, rules in ((False, False), (True, False), (True, True)):
+        compile_sm90(rt._accept_kernel, accept, {"HAS_Q": has_q, "K1_P2": 8, "RULES": rules}, 2)
     race = {
         "logits_ptr": dtype, "draft_ptr": "i64", "ndraft_ptr": "i64", "temp_ptr": "fp32", "q_ptr": "fp32",
         "seed_ptr": "i64", "nacc_ptr": "i64", "emit_lse_ptr": "fp32", "rbest_ptr": "fp32", "ridx_ptr": "i32",
