@@ -57,6 +57,10 @@
 #               SWEEP_N, SWEEP_TEMPS, SWEEP_RATIOS, SWEEP_TOPKS, SWEEP_EXTRA, SWEEP_REPEATS, SWEEP_BATCHES,
 #               SWEEP_HF, SWEEP_ARGS
 #               (SWEEP_LEVEL=hard: the hard level, with its own max_tokens)
+#   trees       two source trees side by side, interleaved: plain decode and the speculative round at the
+#               Qwen3-8B / 0.6B shapes, batch 1, 16, 64 (benchmarks/engine/compare_trees.py); OLD_TREE is the
+#               baseline's root (default .oldtree: e.g. `git archive REV thinkspec | tar -x -C .oldtree`,
+#               carried with the call), the working tree is the new one; TREES_ARGS replace the defaults
 #   tp          tensor parallelism (needs >= TP_SIZE GPUs, default 2): the TP=2 vs TP=1 bf16 GPU test,
 #               then benchmarks/engine/bench_tp.py (all-reduce latency, Llama-3-70B shape step time vs the
 #               per-GPU floor, with a Llama-3-8B draft TP / replicated, Qwen3-8B TP vs TP=1) into
@@ -112,6 +116,7 @@ fi
 
 
 has spec_round && bench spec_round speculative/bench_spec_round.py 200 --kernel-profile
+has trees && bench trees engine/compare_trees.py 540 "--old ${OLD_TREE:-.oldtree} --new . --repeats 3"
 has throughput && bench throughput engine/bench_throughput.py 420
 
 if has projection; then

@@ -146,3 +146,11 @@ def test_step_modes_reach_profile_step(tmp_path):
     assert '--spec 4 --device-phases --engine-args {"async_scheduling": true}' in runs[1]
     assert '--batch 16 --engine-args {"async_scheduling": false}' in runs[2]
     assert runs[0].replace("step_0_", "step_3_") == runs[3]
+
+
+def test_trees_stage_compares_the_baseline_tree_with_the_working_tree(tmp_path):
+    rc, stdout, summary = _run(tmp_path, "trees", OLD_TREE="base")
+    assert rc == 0, stdout
+    assert "trees: ok" in summary.splitlines()
+    run = next(line for line in stdout.splitlines() if line.startswith("fake run:"))
+    assert "benchmarks/engine/compare_trees.py --out" in run and "--old base --new . --repeats 3" in run
